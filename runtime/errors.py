@@ -1,0 +1,26 @@
+"""Typed errors the engine raises for bad or unservable requests.
+
+The Serve edge maps them to HTTP: `InvalidRequestError` (and its subclass
+`ContextLengthExceededError`) -> 400, `EngineOverloadedError` -> 503 with `Retry-After`.
+"""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request itself is malformed (bad ids, bad sampling values, duplicate id, ...)."""
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The request needs more positions than `max_model_len` or than the whole KV cache holds."""
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full; the caller should retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
