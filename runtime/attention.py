@@ -1,0 +1,202 @@
+"""Attention over the paged KV cache (pure PyTorch) and the per-step metadata that drives it.
+
+`AttentionMetadata.build` turns the scheduler's view of a step (new rows per sequence, context length,
+block tables) into index tensors ONCE per step; every layer instance then calls `write_kv` and
+`paged_attention` with the same metadata. `paged_attention(q, kv_cache, layer_idx, attn)` is the one
+function a fused GPU kernel (Triton, FlashInfer) would replace.
+
+Rows of the flat batch are grouped by sequence, in the order of `query_lens`. Sequences with one new
+row (decode) are attended together in one padded call; sequences with several new rows (a prefill
+chunk, causal within the chunk and over the earlier context) are attended one by one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kv_cache import KVCache
+
+
+class AttentionMetadataError(ValueError):
+    """The step description handed to `AttentionMetadata.build` is inconsistent."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Index tensors for one sequence that has more than one new row this step."""
+
+    row_start: int  # first row of this sequence in the flat batch
+    query_len: int
+    key_slots: torch.Tensor  # [seq_len] cache slot of every position 0..seq_len-1
+    mask: torch.Tensor | None  # [query_len, seq_len] True = may attend; None = plain causal (no context)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's flat batch; see docs/contracts.md."""
+
+    query_lens: list[int]  # [S] new rows per sequence this step
+    seq_lens: list[int]  # [S] context length per sequence INCLUDING the new rows
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [N] block_id * block_size + offset for each new row
+    logits_indices: torch.Tensor  # [S] index (into N) of each sequence's last new row
+    block_size: int = 0
+    # Derived by build(): single-row sequences attended in one padded call.
+    decode_rows: torch.Tensor | None = None  # [Sd] row index (into N)
+    decode_key_slots: torch.Tensor | None = None  # [Sd, Kmax] cache slots, padded with a valid slot
+    decode_key_mask: torch.Tensor | None = None  # [Sd, Kmax] True for real context positions
+    chunks: list[ChunkPlan] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        """N: rows in the flat batch."""
+        return sum(self.query_lens)
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[N] positions of the new rows: seq_len - query_len .. seq_len - 1 per sequence."""
+        parts = [torch.arange(s - q, s) for q, s in zip(self.query_lens, self.seq_lens)]
+        return torch.cat(parts).to(device if device is not None else self.slot_mapping.device)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Validate one step's layout and precompute the slot and mask tensors every layer reuses."""
+        _validate(query_lens, seq_lens, block_tables, block_size)
+        slots: list[torch.Tensor] = []
+        chunks: list[ChunkPlan] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[int] = []
+        row = 0
+        for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+            table = torch.tensor(block_tables[i][: math.ceil(seq_len / block_size)], dtype=torch.long)
+            pos = torch.arange(seq_len)  # [seq_len]
+            key_slots = table[pos // block_size] * block_size + pos % block_size  # [seq_len]
+            slots.append(key_slots[seq_len - query_len :])
+            if query_len == 1:
+                decode_rows.append(row)
+                decode_seqs.append(i)
+            else:
+                mask = None
+                if query_len != seq_len:
+                    q_pos = torch.arange(seq_len - query_len, seq_len)  # [query_len]
+                    mask = (pos[None, :] <= q_pos[:, None]).to(device)  # [query_len, seq_len]
+                chunks.append(ChunkPlan(row, query_len, key_slots.to(device), mask))
+            row += query_len
+        slot_mapping = torch.cat(slots).to(device)  # [N]
+        logits_indices = (torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1).to(device)  # [S]
+        meta = cls(
+            query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            block_tables=[list(t) for t in block_tables],
+            slot_mapping=slot_mapping,
+            logits_indices=logits_indices,
+            block_size=block_size,
+            chunks=chunks,
+        )
+        if decode_seqs:
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long).to(device)
+            lens = torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long)  # [Sd]
+            max_len = int(lens.max())
+            max_blocks = math.ceil(max_len / block_size)
+            tables = torch.zeros(len(decode_seqs), max_blocks, dtype=torch.long)  # [Sd, max_blocks]
+            for j, i in enumerate(decode_seqs):
+                used = block_tables[i][: math.ceil(seq_lens[i] / block_size)]
+                tables[j, : len(used)] = torch.tensor(used, dtype=torch.long)
+                tables[j, len(used) :] = used[0]  # padding points at a real block; it is masked out
+            pos = torch.arange(max_len)  # [Kmax]
+            meta.decode_key_slots = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
+            meta.decode_key_mask = (pos[None, :] < lens[:, None]).to(device)  # [Sd, Kmax]
+        return meta
+
+
+def _validate(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:
+    if block_size < 1:
+        raise AttentionMetadataError(f"block_size must be >= 1, got {block_size}")
+    if not query_lens:
+        raise AttentionMetadataError("a step needs at least one sequence")
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise AttentionMetadataError(
+            f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and block_tables "
+            f"({len(block_tables)}) must have one entry per sequence"
+        )
+    for i, (query_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        if query_len < 1 or seq_len < query_len:
+            raise AttentionMetadataError(
+                f"sequence {i}: need 1 <= query_len <= seq_len, got query_len={query_len}, seq_len={seq_len}"
+            )
+        needed = math.ceil(seq_len / block_size)
+        if len(table) < needed:
+            raise AttentionMetadataError(
+                f"sequence {i}: {seq_len} positions need {needed} blocks of {block_size}, "
+                f"block table has {len(table)}"
+            )
+        if any(b < 0 for b in table[:needed]):
+            raise AttentionMetadataError(f"sequence {i}: negative block id in {table[:needed]}")
+
+
+def write_kv(kv_cache: KVCache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new rows' K/V ([N, kv_heads, head_dim]) at their slots of layer instance `layer_idx`."""
+    _, _, _, kv_heads, head_dim = kv_cache.k.shape
+    k_flat = kv_cache.k[layer_idx].view(-1, kv_heads, head_dim)  # [num_blocks * block_size, KV, D]
+    v_flat = kv_cache.v[layer_idx].view(-1, kv_heads, head_dim)
+    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, attn: AttentionMetadata) -> torch.Tensor:
+    """Attention of the new rows' queries ([N, H, D]) over each sequence's cached K/V -> [N, H, D].
+
+    The new rows' K/V must already be written (`write_kv`). GQA: query head h reads KV head
+    h // (H // KV), as in Qwen3.
+    """
+    _, _, _, kv_heads, head_dim = kv_cache.k.shape
+    k_flat = kv_cache.k[layer_idx].view(-1, kv_heads, head_dim)  # [num_slots, KV, D]
+    v_flat = kv_cache.v[layer_idx].view(-1, kv_heads, head_dim)
+    out = torch.empty_like(q)  # [N, H, D]
+    if attn.decode_rows is not None:
+        assert attn.decode_key_slots is not None and attn.decode_key_mask is not None
+        q_dec = q[attn.decode_rows].unsqueeze(2)  # [Sd, H, 1, D]
+        k_dec = k_flat[attn.decode_key_slots].transpose(1, 2).to(q.dtype)  # [Sd, KV, Kmax, D]
+        v_dec = v_flat[attn.decode_key_slots].transpose(1, 2).to(q.dtype)  # [Sd, KV, Kmax, D]
+        mask = attn.decode_key_mask[:, None, None, :]  # [Sd, 1, 1, Kmax]
+        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=mask, enable_gqa=True)
+        out[attn.decode_rows] = o.squeeze(2)  # [Sd, H, D]
+    for chunk in attn.chunks:
+        rows = slice(chunk.row_start, chunk.row_start + chunk.query_len)
+        q_c = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        k_c = k_flat[chunk.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, K, D]
+        v_c = v_flat[chunk.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, K, D]
+        if chunk.mask is None:
+            o = F.scaled_dot_product_attention(q_c, k_c, v_c, is_causal=True, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=chunk.mask, enable_gqa=True)
+        out[rows] = o.squeeze(0).transpose(0, 1)  # [Q, H, D]
+    return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Reference: plain causal GQA attention of one whole sequence, computed in float32.
+
+    q: [T, H, D]; k, v: [T, KV, D] -> [T, H, D]. Written without SDPA so tests compare two
+    independent computations.
+    """
+    num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = num_heads // kv_heads
+    qf = q.float().transpose(0, 1)  # [H, T, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, T, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, T, D]
+    scores = qf @ kf.transpose(1, 2) / math.sqrt(head_dim)  # [H, T, T]
+    seq_len = q.shape[0]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    out = scores.softmax(dim=-1) @ vf  # [H, T, D]
+    return out.transpose(0, 1).to(q.dtype)  # [T, H, D]
