@@ -14,7 +14,8 @@ Format (facts sheet, "Audio output prompt"), and the choices made where the shee
   no implicit turns; roles may come in any order.
 - Text content must not contain the control tokens of the format (``<|im_start|>``, ``<|im_end|>``,
   ``<|endoftext|>``, the SOSP and modality-pad tokens): the tokenizer would map them to their special ids
-  and let a message forge turn or modality boundaries, so they are rejected with ValueError.
+  and let a message forge turn or modality boundaries, so they are rejected.
+- Every validation failure raises :class:`PromptError`, a ValueError.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ OutputModality = Literal["audio", "text"]
 _CONTROL_IDS = frozenset({IM_START_ID, IM_END_ID, ENDOFTEXT_ID, SOSP_ID, MODALITY_PAD_ID})
 
 
+class PromptError(ValueError):
+    """A chat message or prompt request cannot be turned into prompt rows (maps to HTTP 400)."""
+
+
 class TextEncoder(Protocol):
     """What prompt building needs from a tokenizer (``runtime.tokenizer.Tokenizer`` satisfies it)."""
 
@@ -58,12 +63,12 @@ class AudioContent:
         try:
             codes = tuple(operator.index(code) for code in self.codes)
         except TypeError:
-            raise ValueError(f"audio codes must be integers, got {self.codes!r:.80}") from None
+            raise PromptError(f"audio codes must be integers, got {self.codes!r:.80}") from None
         if not codes:
-            raise ValueError("audio content needs at least one code")
+            raise PromptError("audio content needs at least one code")
         bad = [code for code in codes if not 0 <= code < NUM_AUDIO_CODES]
         if bad:
-            raise ValueError(f"audio codes must be in 0..{NUM_AUDIO_CODES - 1}, got {bad[:5]}")
+            raise PromptError(f"audio codes must be in 0..{NUM_AUDIO_CODES - 1}, got {bad[:5]}")
         object.__setattr__(self, "codes", codes)
 
 
@@ -76,11 +81,11 @@ class ChatMessage:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+            raise PromptError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
         if not isinstance(self.content, (str, AudioContent)):
-            raise TypeError(f"content must be a str or AudioContent, got {type(self.content).__name__}")
+            raise PromptError(f"content must be a str or AudioContent, got {type(self.content).__name__}")
         if isinstance(self.content, AudioContent) and self.role == "system":
-            raise ValueError("a system message must be text, not audio")
+            raise PromptError("a system message must be text, not audio")
 
 
 def text_rows(token_ids: Sequence[int]) -> list[Row]:
@@ -99,18 +104,18 @@ def build_prompt_rows(
 ) -> list[Row]:
     """Rows of the whole prompt: every message's turn, then the assistant generation prefix.
 
-    Raises ValueError for an empty message list, an unknown output modality or text content holding
-    control tokens, and TypeError for an item that is not a :class:`ChatMessage`.
+    Raises :class:`PromptError` (a ValueError) for an empty message list, an unknown output modality, an
+    item that is not a :class:`ChatMessage`, or text content holding control tokens.
     """
     if output_modality not in ("audio", "text"):
-        raise ValueError(f"output_modality must be 'audio' or 'text', got {output_modality!r}")
+        raise PromptError(f"output_modality must be 'audio' or 'text', got {output_modality!r}")
     if not messages:
-        raise ValueError("messages must not be empty")
+        raise PromptError("messages must not be empty")
     newline = tokenizer.encode("\n")
     rows: list[Row] = []
     for index, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
-            raise TypeError(f"messages[{index}] must be a ChatMessage, got {type(message).__name__}")
+            raise PromptError(f"messages[{index}] must be a ChatMessage, got {type(message).__name__}")
         if isinstance(message.content, AudioContent):
             rows += text_rows([IM_START_ID, *_encode(tokenizer, f"{message.role}\n", index)])
             rows += audio_segment_rows(message.content.codes)
@@ -129,5 +134,5 @@ def _encode(tokenizer: TextEncoder, text: str, index: int) -> list[int]:
     ids = tokenizer.encode(text)
     forged = sorted(_CONTROL_IDS.intersection(ids))
     if forged:
-        raise ValueError(f"messages[{index}] content contains reserved control token ids {forged}")
+        raise PromptError(f"messages[{index}] content contains reserved control token ids {forged}")
     return ids
