@@ -1,0 +1,180 @@
+"""Strict safetensors checkpoint loading (and writing, for synthetic test checkpoints).
+
+The model is built on the meta device and each tensor is read with `safe_open` straight onto the target
+device, cast to the target dtype and assigned as the parameter: no second full copy of the weights ever
+exists. Every checkpoint key must match a parameter name and shape exactly (no pickle, no tied weights).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from runtime.config import ModelConfig
+from runtime.model import MossSpeechForCausalLM, build_meta_model, set_parameter
+from runtime.tokenizer import Tokenizer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHOWN_KEYS = 5
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is incomplete or does not match the model its config.json describes."""
+
+
+def _few(keys: Iterable[str]) -> str:
+    ordered = sorted(keys)
+    shown = ", ".join(ordered[:_SHOWN_KEYS])
+    more = f", ... ({len(ordered)} in all)" if len(ordered) > _SHOWN_KEYS else f" ({len(ordered)} in all)"
+    return shown + more
+
+
+def _checkpoint_files(path: Path) -> dict[str, list[str]]:
+    """Map each safetensors file of the checkpoint to the keys it holds (checked against the index)."""
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        with index_path.open(encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f).get("weight_map") or {}
+        if not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map")
+        file_names = sorted(set(weight_map.values()))
+    elif (path / SINGLE_FILE).is_file():
+        weight_map, file_names = {}, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    files: dict[str, list[str]] = {}
+    owner: dict[str, str] = {}
+    for name in file_names:
+        file_path = path / name
+        if not file_path.is_file():
+            raise CheckpointError(f"checkpoint file {name} listed in {INDEX_FILE} is missing from {path}")
+        with safe_open(str(file_path), framework="pt") as f:
+            keys = list(f.keys())
+        duplicated = [k for k in keys if k in owner]
+        if duplicated:
+            raise CheckpointError(f"keys stored in more than one file: {_few(duplicated)}")
+        owner.update({k: name for k in keys})
+        files[name] = keys
+    if weight_map:
+        misplaced = [k for k, name in weight_map.items() if owner.get(k) != name]
+        unlisted = [k for k in owner if k not in weight_map]
+        if misplaced or unlisted:
+            raise CheckpointError(
+                f"{INDEX_FILE} disagrees with the files: listed but not found where the index says: "
+                f"{_few(misplaced) if misplaced else 'none'}; stored but not listed: "
+                f"{_few(unlisted) if unlisted else 'none'}"
+            )
+    return files
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    debug_checks: bool = False,
+    progress: bool = True,
+) -> tuple[MossSpeechForCausalLM, Tokenizer]:
+    """Load `config.json`, `tokenizer.json` and the safetensors weights (single file or sharded) of a
+    checkpoint folder; any missing, unexpected or wrongly shaped tensor is a `CheckpointError`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder not found: {path}")
+    config = ModelConfig.from_pretrained_dir(path)
+    tokenizer = Tokenizer.from_file(path / "tokenizer.json")
+    model = build_meta_model(config, debug_checks=debug_checks)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    files = _checkpoint_files(path)
+    stored = {k for keys in files.values() for k in keys}
+    missing, unexpected = expected.keys() - stored, stored - expected.keys()
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_few(unexpected)}")
+        raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts))
+
+    device = torch.device(device)
+    mismatched: list[str] = []
+    for name, keys in files.items():
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in keys:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != expected[key]:
+                    mismatched.append(f"{key}: checkpoint {list(shape)} vs model {list(expected[key])}")
+    if mismatched:
+        raise CheckpointError(f"wrong tensor shapes ({len(mismatched)}): " + "; ".join(sorted(mismatched)[:5]))
+
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for name, keys in files.items():
+            with safe_open(str(path / name), framework="pt", device=_safetensors_device(device)) as f:
+                for key in keys:
+                    tensor = f.get_tensor(key)
+                    if tensor.dtype != dtype:
+                        tensor = tensor.to(dtype)
+                    set_parameter(model, key, tensor)
+                    bar.update(1)
+    still_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    assert not still_meta, still_meta
+    return model.eval(), tokenizer
+
+
+def _split_into_shards(names: list[str], sizes: list[int], num_shards: int) -> list[list[str]]:
+    """Consecutive groups of roughly equal byte size, none empty."""
+    total = sum(sizes)
+    shards: list[list[str]] = [[] for _ in range(num_shards)]
+    acc, previous = 0, -1
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        shard = min(num_shards - 1, acc * num_shards // max(total, 1))
+        shard = max(shard, num_shards - (len(names) - i))  # leave at least one tensor for each later shard
+        shard = min(shard, previous + 1)  # and never skip a shard
+        shards[shard].append(name)
+        acc, previous = acc + size, shard
+    assert all(shards), [len(s) for s in shards]
+    return shards
+
+
+def save_checkpoint(
+    model: MossSpeechForCausalLM,
+    path: str | Path,
+    *,
+    num_shards: int = 1,
+    tokenizer: Tokenizer | None = None,
+) -> None:
+    """Write config.json, safetensors weights (+ index when `num_shards` > 1) and tokenizer.json
+    (the tiny tokenizer unless one is given) in the layout `load_pretrained` reads."""
+    path = Path(path)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    if not 1 <= num_shards <= len(state):
+        raise CheckpointError(f"num_shards must lie in [1, {len(state)}], got {num_shards}")
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / "config.json").open("w", encoding="utf-8") as f:
+        json.dump(model.config.to_hf_dict(), f, indent=2)
+    (tokenizer or Tokenizer.tiny()).save(path / "tokenizer.json")
+    metadata = {"format": "pt"}
+    if num_shards == 1:
+        save_file(state, str(path / SINGLE_FILE), metadata=metadata)
+        return
+    names = list(state)
+    sizes = [state[n].numel() * state[n].element_size() for n in names]
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(_split_into_shards(names, sizes, num_shards)):
+        file_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: state[n] for n in shard}, str(path / file_name), metadata=metadata)
+        weight_map.update({n: file_name for n in shard})
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    with (path / INDEX_FILE).open("w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)

@@ -1,0 +1,167 @@
+"""Strict checkpoint loading: the real 446 names at tiny widths, exact logits, and every kind of mismatch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.config import ConfigError, ModelConfig
+from runtime.model import MossSpeechForCausalLM, build_model
+from runtime.weights import INDEX_FILE, SINGLE_FILE, CheckpointError, load_pretrained, save_checkpoint
+
+ROWS = [(151644, 512), (104, 512), (151646, 512), (151667, 33), (151667, 16384), (7, 9)]
+SMALL = ModelConfig.preset("tiny").replace(num_shared_layers=2, num_modality_layers=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> MossSpeechForCausalLM:
+    return build_model(ModelConfig.preset("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("small")
+    save_checkpoint(build_model(SMALL, seed=4), path)
+    return path
+
+
+def mutated_copy(src: Path, dst: Path, edit) -> Path:
+    """Copy a single-file checkpoint, applying `edit` to its tensor dict."""
+    dst.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    tensors = load_file(str(src / SINGLE_FILE))
+    edit(tensors)
+    save_file(tensors, str(dst / SINGLE_FILE))
+    return dst
+
+
+def test_full_layout_has_the_446_checkpoint_names(tiny_model: MossSpeechForCausalLM) -> None:
+    names = set(tiny_model.state_dict())
+    assert len(names) == 446
+    expected = {"model.embed_tokens.weight", "model.audio_embed.weight", "model.text_norm.weight",
+                "model.audio_norm.weight", "text_lm_head.weight", "audio_lm_head.weight"}
+    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    for block, count in (("shared_block", 32), ("text_block", 4), ("audio_block", 4)):
+        for i in range(count):
+            expected |= {f"model.{block}.layers.{i}.{p}" for p in per_layer}
+    assert names == expected
+    sd = tiny_model.state_dict()
+    assert sd["model.shared_block.layers.0.self_attn.q_norm.weight"].shape == (16,)
+    assert sd["model.shared_block.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+    assert sd["model.audio_embed.weight"].shape == (16512, 64)
+    assert sd["text_lm_head.weight"].data_ptr() != sd["model.embed_tokens.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_round_trip_reproduces_logits_exactly(
+    tiny_model: MossSpeechForCausalLM, tmp_path: Path, num_shards: int
+) -> None:
+    save_checkpoint(tiny_model, tmp_path, num_shards=num_shards)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "moss_speech" and config["architectures"] == ["MossSpeechForCausalLM"]
+    assert config["num_hidden_layers"] == 36 and config["rope_theta"] == 1e6
+    if num_shards == 1:
+        assert (tmp_path / SINGLE_FILE).is_file() and not (tmp_path / INDEX_FILE).exists()
+    else:
+        index = json.loads((tmp_path / INDEX_FILE).read_text())
+        assert len(index["weight_map"]) == 446
+        assert sorted(set(index["weight_map"].values())) == [
+            f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
+        ]
+    model, tokenizer = load_pretrained(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    assert model.config == tiny_model.config
+    assert tokenizer.token_to_id("<|im_end|>") == 151645
+    assert not any(p.requires_grad or p.is_meta for p in model.parameters())
+    expected_text, expected_audio = tiny_model.reference_forward(ROWS)
+    text, audio = model.reference_forward(ROWS)
+    assert torch.equal(text, expected_text) and torch.equal(audio, expected_audio)
+
+
+def test_load_casts_to_the_requested_dtype(small_checkpoint: Path) -> None:
+    model, _ = load_pretrained(small_checkpoint, device="cpu", dtype=torch.bfloat16, progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    reference, _ = load_pretrained(small_checkpoint, device="cpu", dtype=torch.float32, progress=False)
+    text, audio = model.reference_forward(ROWS)
+    ref_text, ref_audio = reference.reference_forward(ROWS)
+    assert text.dtype == torch.float32 and audio.dtype == torch.float32
+    torch.testing.assert_close(text, ref_text, atol=0.03, rtol=0)  # bf16 weights: measured max error ~0.006
+    torch.testing.assert_close(audio, ref_audio, atol=0.03, rtol=0)  # bf16 weights: measured max error ~0.006
+
+
+def test_renamed_tensor_is_rejected(small_checkpoint: Path, tmp_path: Path) -> None:
+    def rename(t: dict) -> None:
+        t["model.text_block.layers.0.mlp.gate.weight"] = t.pop("model.text_block.layers.0.mlp.gate_proj.weight")
+
+    path = mutated_copy(small_checkpoint, tmp_path / "ckpt", rename)
+    with pytest.raises(CheckpointError) as info:
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+    message = str(info.value)
+    assert "missing keys: model.text_block.layers.0.mlp.gate_proj.weight (1 in all)" in message
+    assert "unexpected keys: model.text_block.layers.0.mlp.gate.weight (1 in all)" in message
+
+
+def test_missing_tensor_is_rejected(small_checkpoint: Path, tmp_path: Path) -> None:
+    path = mutated_copy(small_checkpoint, tmp_path / "ckpt", lambda t: t.pop("audio_lm_head.weight"))
+    with pytest.raises(CheckpointError, match=r"missing keys: audio_lm_head.weight \(1 in all\)$"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_extra_tensors_are_rejected_and_listed_sorted(small_checkpoint: Path, tmp_path: Path) -> None:
+    def add(t: dict) -> None:
+        for i in range(7):
+            t[f"model.extra.{i}"] = torch.zeros(2)
+
+    path = mutated_copy(small_checkpoint, tmp_path / "ckpt", add)
+    with pytest.raises(CheckpointError) as info:
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+    assert str(info.value).endswith(
+        "unexpected keys: model.extra.0, model.extra.1, model.extra.2, model.extra.3, model.extra.4, ... (7 in all)"
+    )
+
+
+def test_wrong_shape_is_rejected(small_checkpoint: Path, tmp_path: Path) -> None:
+    def reshape(t: dict) -> None:
+        t["model.shared_block.layers.1.self_attn.k_norm.weight"] = torch.ones(8)
+
+    path = mutated_copy(small_checkpoint, tmp_path / "ckpt", reshape)
+    with pytest.raises(CheckpointError, match=r"model.shared_block.layers.1.self_attn.k_norm.weight: "
+                       r"checkpoint \[8\] vs model \[16\]"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_missing_weights_file_and_missing_shard(small_checkpoint: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_bytes((small_checkpoint / "config.json").read_bytes())
+    (empty / "tokenizer.json").write_bytes((small_checkpoint / "tokenizer.json").read_bytes())
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+        load_pretrained(empty, device="cpu", dtype=torch.float32, progress=False)
+    sharded = tmp_path / "sharded"
+    save_checkpoint(build_model(SMALL, seed=4), sharded, num_shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors listed in .* is missing"):
+        load_pretrained(sharded, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_config_layer_count_and_model_type_are_validated() -> None:
+    good = ModelConfig.preset("full").to_hf_dict()
+    assert ModelConfig.from_hf_dict(good) == ModelConfig.preset("full")
+    assert ModelConfig.preset("full").num_layer_instances == 40
+    with pytest.raises(ConfigError, match=r"num_shared_layers \(32\) \+ num_modality_layers \(4\) != "
+                       r"num_hidden_layers \(40\)"):
+        ModelConfig.from_hf_dict({**good, "num_hidden_layers": 40})
+    with pytest.raises(ConfigError, match="unsupported model_type 'qwen3'"):
+        ModelConfig.from_hf_dict({**good, "model_type": "qwen3"})
+    with pytest.raises(ConfigError, match="lacks required fields: rope_theta"):
+        ModelConfig.from_hf_dict({k: v for k, v in good.items() if k != "rope_theta"})
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        ModelConfig.from_hf_dict({**good, "tie_word_embeddings": True})
+    with pytest.raises(ConfigError, match="unknown model preset 'huge'"):
+        ModelConfig.preset("huge")
