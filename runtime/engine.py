@@ -1,0 +1,378 @@
+"""The LLM engine: `EngineCore` runs synchronous steps; `Engine` streams them to asyncio callers.
+
+`EngineCore.step()` = expire queued requests, schedule, run the model, record the results and
+turn the new rows into events. `Engine` runs that loop on one dedicated thread, so forwards never
+block the event loop, and hands each request's events to its own asyncio queue with
+`loop.call_soon_threadsafe`. The life of a request is told in docs/engine.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.config import MODALITY_PAD_ID, ModelConfig, Row
+from runtime.errors import EngineError, InvalidRequestError
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from runtime.model import MossSpeechForCausalLM, build_model
+from runtime.model_runner import ModelInput, ModelRunner
+from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, validate_request
+from runtime.sampling import RequestSampler
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import IncrementalDetokenizer, Sequence
+from runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20  # CPU has no "free device memory" to take a fraction of
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PRESETS = ("tiny", "full")  # random weights + the byte-level tokenizer; anything else is a folder
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine; see docs/contracts.md and docs/engine.md."""
+
+    model: str = "tiny"  # preset name ("tiny", "full": random weights) or checkpoint folder
+    device: str = "cpu"
+    dtype: str | None = None  # float32 on cpu, bfloat16 on cuda
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # wins over the fraction when given
+    kv_cache_memory_fraction: float = 0.5  # of the device memory free after loading the weights
+    max_num_running: int = 64
+    max_num_waiting: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    debug_checks: bool = False
+    weights_seed: int = 0
+    queue_timeout_s: float = 300.0  # a request waiting longer ends with Finished("error")
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        self.scheduler_config()  # validates the scheduler limits
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of weights and KV cache."""
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's share of this config."""
+        return SchedulerConfig(
+            max_num_running=self.max_num_running, max_num_waiting=self.max_num_waiting,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            queue_timeout_s=self.queue_timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for autoscaling and metrics; prefix-cache figures are token counts."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int = 0
+
+
+def default_seed(request_id: str) -> int:
+    """Seed of a request that gives none: the first 8 bytes of sha256(request_id)."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
+    """KV pool size from `kv_cache_bytes`, else a fraction of free device memory (a fixed budget on CPU)."""
+    device = torch.device(config.device)
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    elif device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = int(free_bytes * config.kv_cache_memory_fraction)
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = num_blocks_for_budget(model_config, config.block_size, config.torch_dtype, budget)
+    if num_blocks < 1:
+        per_block = kv_bytes_per_block(model_config, config.block_size, config.torch_dtype)
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block (one block takes {per_block} bytes)")
+    # More blocks than every running sequence at full length can use would only waste memory.
+    useful = config.max_num_running * -(-config.max_model_len // config.block_size)
+    return min(num_blocks, useful)
+
+
+class EngineCore:
+    """Synchronous engine: owns scheduler, block manager, model runner and per-request output state."""
+
+    def __init__(self, model: MossSpeechForCausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        model_config = model.config
+        if config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings})"
+            )
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        device = next(model.parameters()).device
+        kv_cache = allocate_kv_cache(
+            model_config, num_kv_blocks(config, model_config), config.block_size, device, config.torch_dtype
+        )
+        self.block_manager = BlockManager(kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
+        self.runner = ModelRunner(model, kv_cache)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._num_arrivals = 0
+
+    def add_request(self, request: GenerationRequest) -> Sequence:
+        """Validate and queue `request`; raises InvalidRequestError / ContextLengthExceededError /
+        EngineOverloadedError and then nothing has changed."""
+        self._validate(request)
+        self.scheduler.check_admissible(request)
+        seed = default_seed(request.request_id) if request.seed is None else request.seed
+        try:
+            sampler = RequestSampler(
+                request.prompt_rows, request.text_sampling, request.audio_sampling,
+                min_new_tokens=request.min_new_tokens, seed=seed,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        seq = Sequence(request, sampler, self._num_arrivals, time.monotonic())
+        self._num_arrivals += 1
+        self.scheduler.add(seq)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        return seq
+
+    def abort(self, request_id: str) -> list[tuple[str, Event]]:
+        """End a request now (its blocks are free on return); its final events, none if not in flight."""
+        seq = self.scheduler.abort(request_id)
+        return [] if seq is None else self._finish_events(seq)
+
+    def fail_all(self, message: str) -> list[tuple[str, Event]]:
+        """End every in-flight request with reason "error" (after an engine failure or at shutdown)."""
+        events: list[tuple[str, Event]] = []
+        for request_id in list(self.scheduler.seqs):
+            seq = self.scheduler.abort(request_id, "error", message)
+            assert seq is not None
+            events += self._finish_events(seq)
+        return events
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_work
+
+    def begin_step(self) -> tuple[list[tuple[str, Event]], SchedulerOutput, ModelInput | None]:
+        """Expire overdue waiting requests, schedule, and build the model input (None: nothing to run)."""
+        events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
+        out = self.scheduler.schedule()
+        return events, out, (None if out.is_empty else self.runner.prepare(out))
+
+    def end_step(self, out: SchedulerOutput, sampled: dict[str, Row], step_s: float) -> list[tuple[str, Event]]:
+        """Record the step's results and return the events they produce, in batch order."""
+        for chunk in out.chunks:
+            if chunk.is_decode:
+                chunk.seq.decode_s += step_s
+                chunk.seq.num_decode_steps += 1
+            else:
+                chunk.seq.prefill_s += step_s
+        events: list[tuple[str, Event]] = []
+        for seq, row in self.scheduler.update(out, sampled):
+            rid = seq.request_id
+            if row[0] != MODALITY_PAD_ID:
+                text = self._detokenizers[rid].push(row[0])
+                if text:
+                    events.append((rid, TextDelta(text)))
+            code = seq.sampler.last_output_code
+            if code is not None:
+                events.append((rid, AudioCodes((code,))))
+            if seq.is_finished:
+                events += self._finish_events(seq)
+        return events
+
+    def step(self) -> list[tuple[str, Event]]:
+        """One whole step on the calling thread; returns (request id, event) pairs."""
+        events, out, inp = self.begin_step()
+        if inp is not None:
+            start = time.perf_counter()
+            sampled = self.runner.execute(inp)
+            events += self.end_step(out, sampled, time.perf_counter() - start)
+        return events
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, block usage and prefix-cache counters."""
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks, num_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def _finish_events(self, seq: Sequence) -> list[tuple[str, Event]]:
+        """The text still held back (unless aborted), then `Finished`."""
+        assert seq.finish_reason is not None
+        events: list[tuple[str, Event]] = []
+        detokenizer = self._detokenizers.pop(seq.request_id)
+        tail = detokenizer.flush()
+        if tail and seq.finish_reason != "abort":
+            events.append((seq.request_id, TextDelta(tail)))
+        finished = Finished(
+            reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_rows, num_generated_tokens=seq.num_generated,
+            num_audio_codes=len(seq.sampler.audio_codes), num_cached_prompt_tokens=seq.num_cached_tokens,
+            error=seq.error,
+        )
+        events.append((seq.request_id, finished))
+        return events
+
+    def _validate(self, request: GenerationRequest) -> None:
+        validate_request(request, self.model_config.vocab_size, self.model_config.audio_vocab_size)
+        if request.request_id in self.scheduler.seqs:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+
+
+@dataclass
+class _Stream:
+    """Where one request's events go: an asyncio queue owned by the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event]
+
+
+class Engine:
+    """Asyncio front of `EngineCore`: one step thread, one event queue per request.
+
+    The lock guards all core state; the step thread holds it only to schedule and to record
+    results, never during the forward pass, so `generate`, `abort` and `stats` stay responsive.
+    """
+
+    def __init__(self, model: MossSpeechForCausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.core = EngineCore(model, tokenizer, config)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._is_shut_down = False
+        self._thread = threading.Thread(target=self._run_loop, name="moss-engine-step", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Build from a preset (random weights, deterministic in `weights_seed`) or a checkpoint folder."""
+        if config.model in _PRESETS:
+            model_config = ModelConfig.preset(config.model)
+            model = build_model(
+                model_config, seed=config.weights_seed, device=config.device, dtype=config.torch_dtype,
+                debug_checks=config.debug_checks,
+            )
+            tokenizer = Tokenizer.tiny()
+        else:
+            from runtime.weights import load_pretrained
+
+            model, tokenizer = load_pretrained(
+                config.model, device=config.device, dtype=config.torch_dtype, debug_checks=config.debug_checks
+            )
+        return cls(model, tokenizer, config)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Stream `request`'s events, ending with `Finished`; typed errors come from the first `__anext__`.
+
+        Closing or cancelling the iterator before `Finished` aborts the request.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._is_shut_down:
+                raise EngineError("the engine is shut down")
+            if request.request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+            self.core.add_request(request)
+            self._streams[request.request_id] = stream
+        self._wakeup.set()
+        is_done = False
+        try:
+            while not is_done:
+                event = await stream.queue.get()
+                is_done = isinstance(event, Finished)
+                yield event
+        finally:
+            if not is_done:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's blocks now; its stream ends with Finished("abort"). No-op when not in flight."""
+        with self._lock:
+            self._deliver(self.core.abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, block usage and prefix-cache counters."""
+        with self._lock:
+            return self.core.stats()
+
+    async def shutdown(self) -> None:
+        """Stop the step thread; in-flight requests end with Finished("abort")."""
+        with self._lock:
+            self._is_shut_down = True
+            for request_id in list(self.core.scheduler.seqs):
+                self._deliver(self.core.abort(request_id))
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+
+    def _deliver(self, events: list[tuple[str, Event]]) -> None:
+        """Hand events to their streams' loops (caller holds the lock)."""
+        for request_id, event in events:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if isinstance(event, Finished):
+                del self._streams[request_id]
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            except RuntimeError:  # the caller's loop is closed: nobody is left to read the event
+                logger.debug("dropped an event for %s: its event loop is closed", request_id)
+
+    def _run_loop(self) -> None:
+        while True:
+            self._wakeup.wait()
+            with self._lock:
+                if self._is_shut_down:
+                    return
+                if not self.core.has_work:
+                    self._wakeup.clear()
+                    continue
+                events, out, inp = self.core.begin_step()
+                self._deliver(events)
+            if inp is None:
+                time.sleep(0.001)  # only queue expiries happened; do not spin
+                continue
+            start = time.perf_counter()
+            try:
+                sampled = self.core.runner.execute(inp)
+            except Exception as exc:  # a failed forward must not leave streams hanging
+                logger.exception("engine step failed; failing every in-flight request")
+                with self._lock:
+                    self._deliver(self.core.fail_all(f"engine step failed: {exc!r}"))
+                continue
+            step_s = time.perf_counter() - start
+            with self._lock:
+                self._deliver(self.core.end_step(out, sampled, step_s))

@@ -1,0 +1,87 @@
+"""Turns a `SchedulerOutput` into one flat forward pass and samples the next rows.
+
+`prepare` reads the sequences (block tables, rows) and builds every tensor the step needs, so
+the engine can run it under its lock and then `execute` the forward without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention import AttentionMetadata
+from runtime.config import Row
+from runtime.kv_cache import KVCache
+from runtime.model import MossSpeechForCausalLM, split_rows
+from runtime.sampling import RequestSampler, sample_next_rows
+from runtime.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    """One step's flat batch, ready for the forward pass."""
+
+    tokens: torch.Tensor  # [N] selected token per row
+    is_audio: torch.Tensor  # [N] True where the row embeds its audio token
+    positions: torch.Tensor  # [N]
+    attn: AttentionMetadata
+    sample_indices: torch.Tensor  # [K] index into the S sequences of those that sample this step
+    sample_request_ids: list[str]  # [K]
+    samplers: list[RequestSampler]  # [K]
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors; runs one scheduled step at a time."""
+
+    def __init__(self, model: MossSpeechForCausalLM, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.k.device
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Flatten the scheduled chunks (rows grouped by sequence, in chunk order)."""
+        assert not out.is_empty
+        rows: list[Row] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_indices: list[int] = []
+        sample_request_ids: list[str] = []
+        samplers: list[RequestSampler] = []
+        for i, chunk in enumerate(out.chunks):
+            seq = chunk.seq
+            end = chunk.start + chunk.num_tokens
+            rows.extend(seq.rows[chunk.start : end])
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            block_tables.append(list(seq.block_table))
+            if chunk.needs_sample:
+                sample_indices.append(i)
+                sample_request_ids.append(seq.request_id)
+                samplers.append(seq.sampler)
+        tokens, is_audio = split_rows(rows)  # [N], [N]
+        attn = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_cache.block_size, self.device)
+        return ModelInput(
+            tokens=tokens.to(self.device),
+            is_audio=is_audio.to(self.device),
+            positions=attn.positions(self.device),
+            attn=attn,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=self.device),
+            sample_request_ids=sample_request_ids,
+            samplers=samplers,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> dict[str, Row]:
+        """Forward the batch, then sample one row for each sequence that completed its known rows."""
+        text_logits, audio_logits = self.model(inp.tokens, inp.is_audio, inp.positions, self.kv_cache, inp.attn)
+        if not inp.samplers:
+            return {}
+        text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
+        audio_logits = audio_logits.index_select(0, inp.sample_indices)  # [K, Va]
+        new_rows = sample_next_rows(text_logits, audio_logits, inp.samplers)
+        return dict(zip(inp.sample_request_ids, new_rows, strict=True))
+
+    def run(self, out: SchedulerOutput) -> dict[str, Row]:
+        """`prepare` then `execute`; returns the sampled row per request id."""
+        return self.execute(self.prepare(out))
