@@ -1,0 +1,132 @@
+"""AttentionMetadata layout (exact slots), paged attention vs plain causal attention, KV budget helpers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.attention import (
+    AttentionMetadata,
+    AttentionMetadataError,
+    causal_attention,
+    paged_attention,
+    write_kv,
+)
+from runtime.config import ModelConfig
+from runtime.kv_cache import (
+    KVCacheConfigError,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    num_blocks_for_budget,
+)
+
+TINY = ModelConfig.preset("tiny")
+
+
+def test_build_computes_slots_positions_and_logits_indices() -> None:
+    # seq 0: 3 new rows at positions 4..6 (block 5 holds 0..3, block 2 holds 4..7);
+    # seq 1: one decode row at position 8 (third block, id 0); seq 2: a fresh 2-row prompt in block 7.
+    attn = AttentionMetadata.build([3, 1, 2], [7, 9, 2], [[5, 2], [9, 1, 0], [7]], block_size=4, device="cpu")
+    assert attn.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 0 * 4 + 0, 7 * 4 + 0, 7 * 4 + 1]
+    assert attn.logits_indices.tolist() == [2, 3, 5]
+    assert attn.positions().tolist() == [4, 5, 6, 8, 0, 1]
+    assert attn.num_rows == 6
+    assert attn.decode_rows is not None and attn.decode_rows.tolist() == [3]
+    assert attn.decode_key_slots is not None
+    assert attn.decode_key_slots.tolist() == [[36, 37, 38, 39, 4, 5, 6, 7, 0]]
+    assert [(c.row_start, c.query_len) for c in attn.chunks] == [(0, 3), (4, 2)]
+    assert attn.chunks[0].key_slots.tolist() == [20, 21, 22, 23, 8, 9, 10]
+    assert attn.chunks[0].mask is not None and attn.chunks[0].mask.sum(dim=1).tolist() == [5, 6, 7]
+    assert attn.chunks[1].mask is None  # no earlier context: plain causal
+
+
+def test_decode_padding_is_masked() -> None:
+    attn = AttentionMetadata.build([1, 1], [2, 6], [[3], [4, 8]], block_size=4, device="cpu")
+    assert attn.decode_key_slots is not None and attn.decode_key_mask is not None
+    assert attn.decode_key_mask.tolist() == [[True, True, False, False, False, False],
+                                             [True, True, True, True, True, True]]
+    assert attn.decode_key_slots[1].tolist() == [16, 17, 18, 19, 32, 33]
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "tables", "message"),
+    [
+        ([2], [1], [[0]], "need 1 <= query_len <= seq_len"),
+        ([0], [3], [[0]], "need 1 <= query_len <= seq_len"),
+        ([1], [5], [[0]], "5 positions need 2 blocks of 4, block table has 1"),
+        ([1, 1], [1], [[0]], "must have one entry per sequence"),
+        ([], [], [], "at least one sequence"),
+        ([1], [1], [[-1]], "negative block id"),
+    ],
+)
+def test_build_rejects_inconsistent_steps(
+    query_lens: list[int], seq_lens: list[int], tables: list[list[int]], message: str
+) -> None:
+    with pytest.raises(AttentionMetadataError, match=message):
+        AttentionMetadata.build(query_lens, seq_lens, tables, block_size=4, device="cpu")
+
+
+def test_paged_attention_equals_causal_attention_over_mixed_batch() -> None:
+    """Three sequences written in two steps (prefill chunks, then a mixed chunk/decode step) into
+    scattered blocks of a cache full of garbage; every row's output equals plain causal attention."""
+    torch.manual_seed(0)
+    config = TINY.replace(num_shared_layers=1, num_modality_layers=1)
+    heads, kv_heads, dim, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 4
+    cache = allocate_kv_cache(config, 20, block, "cpu", torch.float32)
+    cache.k.normal_(0, 50.0)
+    cache.v.normal_(0, 50.0)
+    layer = 2  # the audio tail's layer: instances 0 and 1 must stay untouched
+    before_other = cache.k[:2].clone()
+    lengths = [11, 6, 9]
+    tables = [[13, 2, 17], [5, 0], [19, 8, 11]]
+    q_all = [torch.randn(n, heads, dim) for n in lengths]
+    k_all = [torch.randn(n, kv_heads, dim) for n in lengths]
+    v_all = [torch.randn(n, kv_heads, dim) for n in lengths]
+    done = [0, 0, 0]
+    for step in ([7, 5, 9], [4, 1, 0]):
+        members = [i for i, n in enumerate(step) if n]
+        attn = AttentionMetadata.build(
+            [step[i] for i in members], [done[i] + step[i] for i in members], [tables[i] for i in members],
+            block, "cpu",
+        )
+        q = torch.cat([q_all[i][done[i] : done[i] + step[i]] for i in members])  # [N, H, D]
+        k = torch.cat([k_all[i][done[i] : done[i] + step[i]] for i in members])  # [N, KV, D]
+        v = torch.cat([v_all[i][done[i] : done[i] + step[i]] for i in members])
+        write_kv(cache, layer, k, v, attn.slot_mapping)
+        out = paged_attention(q, cache, layer, attn)
+        row = 0
+        for i in members:
+            end = done[i] + step[i]
+            expected = causal_attention(q_all[i][:end], k_all[i][:end], v_all[i][:end])[done[i] :]
+            torch.testing.assert_close(out[row : row + step[i]], expected, atol=1e-5, rtol=1e-5)
+            row += step[i]
+            done[i] = end
+    assert torch.equal(cache.k[:2], before_other)
+    assert torch.equal(cache.k[layer].view(-1, kv_heads, dim)[13 * block + 3], k_all[0][3])
+
+
+def test_causal_attention_gqa_groups_query_heads_onto_kv_heads() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(3, 4, 8)
+    k = torch.randn(3, 2, 8)
+    v = torch.randn(3, 2, 8)
+    out = causal_attention(q, k, v)
+    # Row 0 sees only key 0: output equals v[0] of the head's KV group (heads 0,1 -> kv 0; 2,3 -> kv 1).
+    assert torch.allclose(out[0], torch.stack([v[0, 0], v[0, 0], v[0, 1], v[0, 1]]))
+
+
+def test_kv_budget_helpers() -> None:
+    full = ModelConfig.preset("full")
+    # 40 layer instances x K,V x 8 heads x 128 dims x 2 bytes = 160 KiB per token in bf16.
+    assert kv_bytes_per_block(full, 1, torch.bfloat16) == 160 * 1024
+    assert kv_bytes_per_block(full, 16, torch.bfloat16) == 16 * 160 * 1024
+    assert kv_bytes_per_block(full, 16, torch.float32) == 32 * 160 * 1024
+    assert num_blocks_for_budget(full, 16, torch.bfloat16, 10 * 16 * 160 * 1024 + 5) == 10
+    assert num_blocks_for_budget(full, 16, torch.bfloat16, 100) == 0
+    with pytest.raises(KVCacheConfigError, match="budget must be >= 0"):
+        num_blocks_for_budget(full, 16, torch.bfloat16, -1)
+    cache = allocate_kv_cache(TINY, 3, 8, "cpu", torch.float32)
+    assert cache.k.shape == (40, 3, 8, 2, 16) and cache.v.shape == (40, 3, 8, 2, 16)
+    assert cache.num_blocks == 3 and cache.block_size == 8
+    assert cache.k.numel() * 4 * 2 == 3 * kv_bytes_per_block(TINY, 8, torch.float32)
+    with pytest.raises(KVCacheConfigError, match="num_blocks must be >= 1"):
+        allocate_kv_cache(TINY, 0, 8, "cpu", torch.float32)
