@@ -124,6 +124,17 @@ def test_generated_token_is_penalised_next_step() -> None:
     assert step(s, {1: 2.0, 2: 1.9}, {4: 1.0}, SMALL_TEXT_VOCAB) == (2, 4)
 
 
+def test_text_history_holds_modality_pad_of_audio_rows() -> None:
+    # The prompt has no MODALITY_PAD; the two audio-mode rows put it into the text history as appended.
+    s = sampler(AUDIO_PROMPT, text=greedy_with_penalty(1.1))
+    assert step(s, {42: 1.0}, {5: 1.0}) == (MODALITY_PAD_ID, 5)
+    assert step(s, {42: 1.0}, {EOSP_ID: 1.0}) == (MODALITY_PAD_ID, EOSP_ID)
+    # 2.0 / 1.1 = 1.818 < 1.9: the pad is penalised like any repeated id.
+    assert step(s, {MODALITY_PAD_ID: 2.0, 42: 1.9}, {5: 1.0}) == (42, 5)
+    fresh = sampler(TEXT_PROMPT, text=greedy_with_penalty(1.1))
+    assert step(fresh, {MODALITY_PAD_ID: 2.0, 42: 1.9}, {5: 1.0}) == (MODALITY_PAD_ID, 5)
+
+
 # ---- greedy, top-k, top-p, inverse CDF ------------------------------------------------------------------
 
 
