@@ -1,0 +1,80 @@
+"""`build_app(args)`: the one entry point shared by `config/*.yaml` (`import_path`) and Python code.
+
+    ingress (HTTP) --one stream per utterance--> VocoderServer --one stream--> LLMServer (Engine)
+
+Each deployment states its own options from `AppArgs`; every one gets a fractional `num_cpus`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.args import AppArgs, split_options
+from deployments.ingress import Ingress
+from deployments.llm_server import LLMServer
+from deployments.vocoder_server import VocoderServer
+
+
+class GpuUnavailableError(RuntimeError):
+    """GPUs were asked for but the cluster has none (Serve would otherwise hang in DEPLOYING)."""
+
+
+def available_gpus() -> float:
+    """GPUs the Ray cluster reports (when connected), else the GPUs torch sees on this machine."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    import torch
+
+    return float(torch.cuda.device_count())
+
+
+def check_gpus(args: AppArgs, gpus_available: float | None = None) -> None:
+    """Raise `GpuUnavailableError` / ValueError for GPU settings that could never start."""
+    llm_gpus = float(args.llm_options.get("num_gpus") or 0)
+    vocoder_gpus = float(args.vocoder_options.get("num_gpus") or 0)
+    if float(args.ingress_options.get("num_gpus") or 0) > 0:
+        raise ValueError("ingress_options.num_gpus must be 0: the ingress runs no model")
+    engine_device = str(args.engine.get("device", "cpu"))
+    for name, device, gpus in (("engine", engine_device, llm_gpus), ("vocoder", args.vocoder_device,
+                                                                     vocoder_gpus)):
+        options = "llm_options" if name == "engine" else "vocoder_options"
+        if device.startswith("cuda") and gpus <= 0:
+            raise ValueError(f"{name} device is {device!r} but {options}.num_gpus is 0: "
+                             f"give the deployment a GPU share (e.g. 0.8) or use device 'cpu'")
+        if not device.startswith("cuda") and gpus > 0:
+            raise ValueError(f"{options}.num_gpus is {gpus} but the {name} device is {device!r}: "
+                             f"set device 'cuda' or num_gpus 0")
+    needed = llm_gpus + vocoder_gpus  # one replica of each must fit
+    if needed <= 0 or not args.require_gpus_at_start:
+        return
+    available = available_gpus() if gpus_available is None else gpus_available
+    if available < needed:
+        raise GpuUnavailableError(
+            f"this config asks for GPUs (LLM num_gpus={llm_gpus}, vocoder num_gpus={vocoder_gpus}) but the "
+            f"Ray cluster has {available:g} GPU(s). Replicas would wait in DEPLOYING forever. Use "
+            f"config/serve.yaml (CPU, tiny models) on this machine, or set require_gpus_at_start: false "
+            f"if GPU nodes join the cluster later.")
+
+
+def _deployment_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    deployment, actor = split_options(options)
+    return {**deployment, "ray_actor_options": actor}
+
+
+def build_app(args: dict[str, Any] | AppArgs) -> Application:
+    """Build the three-deployment app from `AppArgs` (or its dict form, as in YAML `args:`)."""
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    check_gpus(args)
+    llm = serve.deployment(LLMServer).options(name="LLMServer", **_deployment_kwargs(args.llm_options))
+    vocoder = serve.deployment(VocoderServer).options(name="VocoderServer",
+                                                      **_deployment_kwargs(args.vocoder_options))
+    ingress = serve.deployment(Ingress).options(name="Ingress", **_deployment_kwargs(args.ingress_options))
+    vocoder_kwargs = {"preset": args.vocoder_preset, "device": args.vocoder_device,
+                      "dtype": args.vocoder_dtype, "seed": args.vocoder_seed}
+    llm_app = llm.bind(dict(args.engine))
+    vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app)
+    return ingress.bind(args.model_dump(), llm_app, vocoder_app)

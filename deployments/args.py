@@ -1,0 +1,97 @@
+"""`AppArgs`: the one typed model that both `config/*.yaml` and Python code hand to `build_app`.
+
+Engine settings are passed through to `runtime.engine.EngineConfig` unchanged (field names match);
+vocoder settings to `vocoder.StreamingVocoder.from_preset`. Per-deployment options name only the
+Serve knobs we support, so a typo in YAML fails at build time instead of being ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Serve deployment options accepted under `llm_options` / `vocoder_options` / `ingress_options`.
+# `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`; the rest are `@serve.deployment` kwargs.
+ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory"})
+DEPLOYMENT_OPTION_KEYS = frozenset({
+    "num_replicas", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
+    "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s",
+    "graceful_shutdown_wait_loop_s",
+})
+
+DEFAULT_LLM_OPTIONS: dict[str, Any] = {"num_cpus": 0.5, "num_gpus": 0, "max_ongoing_requests": 256}
+DEFAULT_VOCODER_OPTIONS: dict[str, Any] = {"num_cpus": 0.5, "num_gpus": 0, "max_ongoing_requests": 256}
+DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"num_cpus": 0.25, "max_ongoing_requests": 512}
+
+
+def _check_options(value: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(value) - ACTOR_OPTION_KEYS - DEPLOYMENT_OPTION_KEYS
+    if unknown:
+        raise ValueError(f"unknown deployment option(s) {sorted(unknown)}; allowed: "
+                         f"{sorted(ACTOR_OPTION_KEYS | DEPLOYMENT_OPTION_KEYS)}")
+    for key in ("num_cpus", "num_gpus"):
+        if key in value and (not isinstance(value[key], int | float) or value[key] < 0):
+            raise ValueError(f"{key} must be a number >= 0, got {value[key]!r}")
+    return value
+
+
+class AppArgs(BaseModel):
+    """Everything `build_app` needs; `serve run config/serve.yaml` fills it from the YAML `args:`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Passed as keyword arguments to runtime.engine.EngineConfig (model, device, dtype, block_size,
+    # kv_cache_bytes, max_num_running, max_num_waiting, max_model_len, ...).
+    engine: dict[str, Any] = Field(default_factory=lambda: {"model": "tiny", "device": "cpu"})
+    # Name used in responses and accepted in requests' `model` field (any value is accepted if None).
+    served_model_name: str = "moss-speech"
+    vocoder_preset: Literal["tiny", "full"] = "tiny"
+    vocoder_device: str = "cpu"
+    vocoder_dtype: str | None = None
+    vocoder_seed: int = 0
+    # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
+    vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
+
+    # Request limits enforced by the ingress before any model is touched.
+    max_input_chars: int = Field(default=4096, ge=1)
+    max_new_tokens_limit: int = Field(default=4096, ge=1)
+    default_max_new_tokens: int = Field(default=1024, ge=1)
+    # Server-side timeouts: no request lives longer than request_timeout_s, and a stream that yields
+    # nothing for stream_idle_timeout_s is aborted.
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # Seconds suggested in Retry-After when Serve itself rejects a request (queue full).
+    retry_after_s: float = Field(default=1.0, gt=0)
+    # Fail fast at build time when GPUs are requested but the cluster has none (a GPU request on a
+    # GPU-less cluster otherwise hangs in DEPLOYING). Turn off only for clusters that add GPU nodes
+    # on demand (KubeRay autoscaler).
+    require_gpus_at_start: bool = True
+
+    llm_options: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_LLM_OPTIONS))
+    vocoder_options: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_VOCODER_OPTIONS))
+    ingress_options: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_INGRESS_OPTIONS))
+
+    @field_validator("llm_options", "vocoder_options", "ingress_options")
+    @classmethod
+    def _validate_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_options(value)
+
+    @field_validator("engine")
+    @classmethod
+    def _validate_engine(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "model" not in value:
+            raise ValueError("engine.model is required (a preset name such as 'tiny' or a checkpoint dir)")
+        return value
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split user options into (`@serve.deployment` kwargs, `ray_actor_options`)."""
+    actor = {k: v for k, v in options.items() if k in ACTOR_OPTION_KEYS and v is not None}
+    deployment = {k: v for k, v in options.items() if k in DEPLOYMENT_OPTION_KEYS}
+    if "num_cpus" not in actor:
+        # Every replica asks for a whole CPU unless told otherwise; on a 2-core machine three
+        # deployments then never all schedule (see docs/serving.md).
+        actor["num_cpus"] = 0.25
+    if actor.get("num_gpus") == 0:
+        del actor["num_gpus"]
+    return deployment, actor

@@ -1,0 +1,169 @@
+"""`VocoderBatcher`: advances many utterance streams with one `StreamingVocoder.step` per round.
+
+Pure asyncio (no Ray), so it is unit-tested directly. Every vocoder call (open, step, finish) runs on
+one worker thread, in submission order: the vocoder never sees two calls at once, and the replica's
+event loop stays free to move bytes while a step computes.
+
+Codes that arrive while a step is running accumulate in their stream's `pending` list and go into the
+next step together, so a slow step is followed by a bigger one instead of a queue of small ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+END = None  # put on a stream's queue after its last PCM chunk
+
+
+class BatchedStream:
+    """One utterance's vocoder session plus the codes waiting for the next step."""
+
+    def __init__(self, session: Any, out: asyncio.Queue) -> None:
+        self.session = session
+        self.out = out  # receives float32 PCM arrays, then END
+        self.pending: list[int] = []
+        self.pending_since = 0.0
+        self.is_ended = False   # no more codes will come: flush, then finish the session
+        self.is_closed = False  # the session is finished (or queued to be)
+        self.is_aborted = False  # closed by `close`: its output is dropped
+        self.num_codes = 0
+        self.num_samples = 0
+        self.first_pcm_at: float | None = None
+
+    def lag_s(self, now: float, sample_rate: int) -> float:
+        """Seconds a real-time listener who started at the first chunk would be waiting now."""
+        if self.first_pcm_at is None or self.is_ended:
+            return 0.0
+        return max(0.0, (now - self.first_pcm_at) - self.num_samples / sample_rate)
+
+
+class VocoderBatcher:
+    """Owns the vocoder's worker thread and the batching loop of one replica."""
+
+    def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.vocoder = vocoder
+        self.max_batch_size = max_batch_size
+        self.sample_rate = sample_rate
+        self._on_step = on_step
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
+        self._streams: list[BatchedStream] = []
+        self._discard: list[Any] = []  # sessions of aborted streams, finished by the loop
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_open_sessions = 0
+        self.num_steps = 0
+
+    @property
+    def num_streams(self) -> int:
+        """Streams registered and not yet finished."""
+        return len(self._streams)
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="vocoder-batcher")
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def open(self, voice: str, seed: int) -> BatchedStream:
+        """Open a vocoder session for one utterance (raises what `StreamingVocoder.open` raises)."""
+        self._ensure_loop()
+        session = await self._call(lambda: self.vocoder.open(voice, seed=seed))
+        self.num_open_sessions += 1
+        stream = BatchedStream(session, asyncio.Queue())
+        self._streams.append(stream)
+        return stream
+
+    def push(self, stream: BatchedStream, codes: Sequence[int]) -> None:
+        """Queue codes for the next step (never blocks)."""
+        assert not stream.is_ended, "push after end"
+        if not codes:
+            return
+        if not stream.pending:
+            stream.pending_since = time.monotonic()
+        stream.pending.extend(codes)
+        stream.num_codes += len(codes)
+        self._wake.set()
+
+    def end(self, stream: BatchedStream) -> None:
+        """No more codes: the loop flushes what is pending, finishes the session and puts END."""
+        stream.is_ended = True
+        self._wake.set()
+
+    def close(self, stream: BatchedStream) -> None:
+        """Abort: drop pending codes and finish the session without delivering its tail."""
+        if stream.is_closed:
+            return
+        stream.is_closed = True
+        stream.is_aborted = True
+        stream.pending.clear()
+        if stream in self._streams:
+            self._streams.remove(stream)
+        self._discard.append(stream.session)
+        self._wake.set()
+
+    def lag_s(self) -> float:
+        """The largest lag behind real time among active streams (0 when none)."""
+        now = time.monotonic()
+        return max((s.lag_s(now, self.sample_rate) for s in self._streams), default=0.0)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while await self._round():
+                pass
+
+    async def _round(self) -> bool:
+        """One step over ready streams plus any finishes; False when there was nothing to do."""
+        did_work = False
+        while self._discard:
+            session = self._discard.pop()
+            await self._call(self.vocoder.finish, session)
+            self.num_open_sessions -= 1
+            did_work = True
+        ready = sorted((s for s in self._streams if s.pending), key=lambda s: s.pending_since)
+        ready = ready[: self.max_batch_size]
+        if ready:
+            work = [(s.session, s.pending) for s in ready]
+            for stream in ready:
+                stream.pending = []
+            pcms = await self._call(self.vocoder.step, work)
+            self.num_steps += 1
+            if self._on_step is not None:
+                self._on_step(len(work))
+            for stream, pcm in zip(ready, pcms, strict=True):
+                self._deliver(stream, pcm)
+            did_work = True
+        for stream in [s for s in self._streams if s.is_ended and not s.pending]:
+            if stream.is_closed:  # aborted while an earlier finish ran
+                continue
+            stream.is_closed = True
+            tail = await self._call(self.vocoder.finish, stream.session)
+            self.num_open_sessions -= 1
+            self._streams.remove(stream)
+            self._deliver(stream, tail)
+            stream.out.put_nowait(END)
+            did_work = True
+        return did_work
+
+    def _deliver(self, stream: BatchedStream, pcm: np.ndarray) -> None:
+        if stream.is_aborted:
+            return  # aborted while its step ran
+        if len(pcm):
+            if stream.first_pcm_at is None:
+                stream.first_pcm_at = time.monotonic()
+            stream.num_samples += len(pcm)
+            stream.out.put_nowait(pcm)
+
+    async def shutdown(self) -> None:
+        """Stop the loop and the worker thread."""
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,217 @@
+"""`Ingress`: the HTTP edge (Starlette) of the app.
+
+It validates a request without touching any model, opens ONE streaming call on the vocoder deployment
+per utterance, peeks at the first item (so an engine refusal becomes a 4xx/503 before any byte is
+sent) and then writes every audio chunk out the moment it arrives (no response buffering).
+Server-side deadlines (`request_timeout_s`, `stream_idle_timeout_s`) bound every request; when the
+client disconnects, Serve cancels the handler and the `finally` blocks down the chain abort the
+engine request and close the vocoder session.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from deployments.args import AppArgs
+from deployments.errors import ApiError, error_event, overloaded, timeout_error
+from deployments.metrics import IngressMetrics
+from deployments.streams import StreamPlan, chat_plan, speech_plan
+from deployments.validation import Limits, chat_request, speech_request
+
+logger = logging.getLogger("ray.serve")
+
+MAX_BODY_BYTES = 1 << 20
+MAX_REMEMBERED_REQUESTS = 1024
+
+
+class Ingress:
+    """Routes: POST /v1/audio/speech, POST /v1/chat/completions, GET /health, GET /v1/models,
+    GET /admin/stats, GET /admin/requests/{id}."""
+
+    def __init__(self, args: dict[str, Any], llm: Any, vocoder: Any) -> None:
+        self._args = AppArgs.model_validate(args)
+        self._llm = llm
+        self._vocoder = vocoder
+        self._metrics = IngressMetrics.create()
+        self._limits: Limits | None = None
+        self._num_active = 0
+        # Summaries of recent requests (GET /admin/requests/{id}): one replica's memory only.
+        self._recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._created = int(time.time())
+
+    async def __call__(self, request: Request) -> Response:
+        path, method = request.url.path.rstrip("/") or "/", request.method
+        route = {"/v1/audio/speech": "speech", "/v1/chat/completions": "chat", "/health": "health",
+                 "/v1/models": "models", "/admin/stats": "admin"}.get(path, "admin" if path.startswith(
+                     "/admin/requests/") else "unknown")
+        try:
+            if route == "unknown":
+                raise ApiError(404, f"no route {method} {path}", kind="not_found", code="not_found")
+            expected = "POST" if route in ("speech", "chat") else "GET"
+            if method != expected:
+                raise ApiError(405, f"{method} is not allowed on {path}; use {expected}",
+                               kind="invalid_request", code="method_not_allowed")
+            if route == "speech":
+                return await self._speech(request)
+            if route == "chat":
+                return await self._chat(request)
+            response = await self._get(path)
+        except ApiError as err:
+            self._count(route, err.status, err.kind)
+            return err.response()
+        self._count(route, response.status_code)
+        return response
+
+    async def _get(self, path: str) -> Response:
+        if path == "/health":
+            return JSONResponse({"status": "ok"})
+        if path == "/v1/models":
+            return JSONResponse({"object": "list", "data": [{
+                "id": self._args.served_model_name, "object": "model", "created": self._created,
+                "owned_by": "moss-speech-serve"}]})
+        if path == "/admin/stats":
+            llm, vocoder = await asyncio.gather(self._llm.stats.remote(), self._vocoder.stats.remote())
+            return JSONResponse({"llm": llm, "vocoder": vocoder,
+                                 "ingress": {"active_requests": self._num_active}})
+        request_id = path.removeprefix("/admin/requests/")
+        if request_id not in self._recent:
+            raise ApiError(404, f"no recent request {request_id!r} on this replica", kind="not_found",
+                           code="not_found")
+        return JSONResponse(self._recent[request_id])
+
+    def _count(self, route: str, status: int, error_kind: str | None = None) -> None:
+        self._metrics.requests.inc(tags={"route": route, "status": str(status)})
+        if error_kind is not None:
+            self._metrics.errors.inc(tags={"kind": error_kind})
+
+    async def _get_limits(self) -> Limits:
+        if self._limits is None:  # voice names come from the vocoder replica once, then are cached
+            voices = await self._vocoder.voices.remote()
+            self._limits = Limits(
+                served_model_name=self._args.served_model_name, voices=voices,
+                max_input_chars=self._args.max_input_chars,
+                max_new_tokens_limit=self._args.max_new_tokens_limit,
+                default_max_new_tokens=self._args.default_max_new_tokens)
+        return self._limits
+
+    async def _read_body(self, request: Request) -> bytes:
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", kind="invalid_request",
+                               code="request_too_large")
+        return body
+
+    async def _speech(self, request: Request) -> Response:
+        parsed, payload = speech_request(await self._read_body(request), await self._get_limits())
+        return await self._stream("speech", payload, speech_plan(parsed))
+
+    async def _chat(self, request: Request) -> Response:
+        parsed, payload = chat_request(await self._read_body(request), await self._get_limits())
+        return await self._stream("chat", payload, chat_plan(parsed, payload["request_id"],
+                                                              self._args.served_model_name))
+
+    async def _next(self, stream: Any, deadline: float) -> dict[str, Any]:
+        """The next event, or an ApiError after the idle timeout or the request deadline."""
+        timeout = min(self._args.stream_idle_timeout_s, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(anext(stream), timeout=max(timeout, 0.0))
+        except TimeoutError:
+            raise timeout_error("the request timed out on the server") from None
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any remote failure becomes an HTTP error
+            from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+            if isinstance(exc, BackPressureError | DeploymentUnavailableError):
+                raise overloaded(f"server over capacity: {exc}", self._args.retry_after_s) from None
+            raise ApiError.from_event(error_event(exc)) from None
+
+    async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan) -> Response:
+        """Open the utterance stream, peek at its first event, then stream the response body."""
+        started = time.monotonic()
+        deadline = started + self._args.request_timeout_s
+        stream = self._vocoder.synthesize.options(stream=True).remote(payload)
+        try:
+            first = await self._next(stream, deadline)
+        except BaseException:
+            stream.cancel()
+            raise
+        if first["type"] == "error":
+            raise ApiError.from_event(first)
+        assert first["type"] == "started", first
+        request_id = payload["request_id"]
+        summary = {"request_id": request_id, "route": route, "status": "streaming",
+                   "finish_reason": None, "num_audio_codes": None, "num_audio_samples": 0,
+                   "num_prompt_tokens": None, "num_cached_prompt_tokens": None}
+        self._remember(summary)
+        return StreamingResponse(self._body(route, stream, plan, summary, started, deadline),
+                                 media_type=plan.media_type,
+                                 headers={"x-request-id": request_id, "cache-control": "no-store"})
+
+    async def _body(self, route: str, stream: Any, plan: StreamPlan, summary: dict[str, Any],
+                    started: float, deadline: float) -> AsyncIterator[bytes]:
+        """Frame events as bytes; every audio chunk is yielded as soon as it is received."""
+        self._num_active += 1
+        status, error_kind = 499, "disconnect"  # unless we reach the end
+        last_audio_at: float | None = None
+        try:
+            yield plan.start()
+            while True:
+                try:
+                    event = await self._next(stream, deadline)
+                except StopAsyncIteration:
+                    break
+                except ApiError as err:
+                    event = err.to_event()
+                if event["type"] == "audio":
+                    now = time.monotonic()
+                    if last_audio_at is None:
+                        self._metrics.time_to_first_audio.observe(now - started)
+                    else:
+                        self._metrics.chunk_gap.observe(now - last_audio_at)
+                    last_audio_at = now
+                    num_samples = len(event["pcm"]) // 2
+                    summary["num_audio_samples"] += num_samples
+                    self._metrics.audio_seconds.inc(num_samples / plan.sample_rate)
+                    yield plan.audio(event["pcm"])
+                elif event["type"] == "text":
+                    chunk = plan.text(event["text"])
+                    if chunk:
+                        yield chunk
+                elif event["type"] == "done":
+                    summary.update({k: event[k] for k in ("num_audio_codes", "num_prompt_tokens",
+                                                         "num_cached_prompt_tokens")})
+                    summary["finish_reason"] = event["reason"]
+                    yield plan.done(event)
+                    status, error_kind = 200, None
+                    break
+                elif event["type"] == "error":
+                    logger.warning("stream %s failed mid-way: %s", summary["request_id"], event["message"])
+                    status, error_kind = event["status"], event["kind"]
+                    chunk = plan.error(event)
+                    if chunk:
+                        yield chunk
+                    break
+            audio_s = summary["num_audio_samples"] / plan.sample_rate
+            if status == 200 and audio_s > 0:
+                self._metrics.realtime_factor.observe((time.monotonic() - started) / audio_s)
+        finally:
+            self._num_active -= 1
+            if status != 200:
+                stream.cancel()  # also done by Serve on disconnect; harmless when already finished
+            summary["status"] = status
+            self._count(route, status, error_kind)
+
+    def _remember(self, summary: dict[str, Any]) -> None:
+        self._recent[summary["request_id"]] = summary
+        while len(self._recent) > MAX_REMEMBERED_REQUESTS:
+            self._recent.popitem(last=False)

@@ -1,0 +1,140 @@
+"""`LLMServer`: the Ray Serve deployment around `runtime.engine.Engine` (no model logic here).
+
+`generate` streams small dict events for one request: `text`, `codes`, then `finished`; or a single
+`error` event when the engine refuses the request on its first step (validation, context length,
+overload), so the ingress can answer with a proper HTTP status. When the caller goes away (Serve
+cancels the call) or anything fails, the request is aborted in the engine, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deployments.errors import error_event
+from deployments.metrics import LLMMetrics, RecentWindow
+
+logger = logging.getLogger("ray.serve")
+
+METRICS_REFRESH_S = 1.0
+
+
+def build_generation_request(engine: Any, request: dict[str, Any]) -> Any:
+    """Turn the ingress's request dict into a `GenerationRequest` (tokenizes; raises ValueError)."""
+    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.request import GenerationRequest
+    from runtime.sampling import SamplingParams
+
+    messages = [ChatMessage(role="system" if role == "developer" else role, content=content)
+                for role, content in request["messages"]]
+    rows = build_prompt_rows(engine.tokenizer, messages, output_modality=request["output_modality"])
+    text_sampling = SamplingParams(**request.get("text_sampling", {}))
+    audio_sampling = SamplingParams(**request.get("audio_sampling", {}))
+    text_sampling.validate()
+    audio_sampling.validate()
+    return GenerationRequest(
+        request_id=request["request_id"], prompt_rows=tuple(rows), text_sampling=text_sampling,
+        audio_sampling=audio_sampling, max_new_tokens=request["max_new_tokens"],
+        min_new_tokens=request.get("min_new_tokens", 0), seed=request.get("seed"))
+
+
+def to_event(event: Any) -> dict[str, Any]:
+    """Engine event dataclass -> plain dict."""
+    from runtime.request import AudioCodes, Finished, TextDelta
+
+    if isinstance(event, TextDelta):
+        return {"type": "text", "text": event.text}
+    if isinstance(event, AudioCodes):
+        return {"type": "codes", "codes": list(event.codes)}
+    assert isinstance(event, Finished), f"unknown engine event {event!r}"
+    return {"type": "finished", "reason": event.reason, "num_prompt_tokens": event.num_prompt_tokens,
+            "num_generated_tokens": event.num_generated_tokens, "num_audio_codes": event.num_audio_codes,
+            "num_cached_prompt_tokens": event.num_cached_prompt_tokens, "error": event.error}
+
+
+class LLMServer:
+    """One engine per replica; `generate` is called with `handle.options(stream=True)`."""
+
+    async def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from runtime.engine import Engine, EngineConfig
+
+        self._engine = Engine.from_config(EngineConfig(**engine_kwargs))
+        self._metrics = LLMMetrics.create()
+        self._ttfa = RecentWindow(window_s=60.0)
+        self._seen_queries = 0
+        self._seen_hits = 0
+        self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request's events; see the module docstring."""
+        started = time.monotonic()
+        request_id = request["request_id"]
+        try:
+            stream = self._engine.generate(build_generation_request(self._engine, request))
+            first = await anext(stream)
+        except Exception as exc:  # noqa: BLE001 - refused before any event: report it as an event
+            yield error_event(exc)
+            return
+        is_finished = False
+        saw_audio = False
+        try:
+            event = first
+            while True:
+                item = to_event(event)
+                if item["type"] == "codes" and not saw_audio:
+                    saw_audio = True
+                    self._ttfa.add(time.monotonic() - started)
+                is_finished = item["type"] == "finished"
+                yield item
+                if is_finished:
+                    return
+                event = await anext(stream)
+        finally:
+            if not is_finished:  # cancelled by the caller, or failed mid-stream
+                logger.info("aborting request %s", request_id)
+                self._engine.abort(request_id)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def stats(self) -> dict[str, Any]:
+        """Engine stats as a dict (for /admin/stats and tests)."""
+        stats = self._engine.stats()
+        return {name: getattr(stats, name) for name in (
+            "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_free",
+            "prefix_cache_queries", "prefix_cache_hits")}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (see deployments.autoscaling:llm_policy)."""
+        stats = self._engine.stats()
+        usage = stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0
+        return {"kv_cache_usage": float(usage), "num_waiting": float(stats.num_waiting),
+                "num_running": float(stats.num_running), "ttfa_p90_s": self._ttfa.quantile(0.9)}
+
+    def _refresh_metrics(self) -> None:
+        stats = self._engine.stats()
+        self._metrics.queued_requests.set(stats.num_waiting)
+        self._metrics.kv_blocks_used.set(stats.num_blocks_used)
+        self._metrics.kv_blocks_free.set(stats.num_blocks_free)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._metrics.prefix_cache_hit_rate.set(hits / queries if queries else 0.0)
+        if queries > self._seen_queries:
+            self._metrics.prefix_cache_query_tokens.inc(queries - self._seen_queries)
+        if hits > self._seen_hits:
+            self._metrics.prefix_cache_hit_tokens.inc(hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = queries, hits
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                self._refresh_metrics()
+            except Exception:  # metrics must never take the replica down
+                logger.exception("refreshing LLM metrics failed")
+            await asyncio.sleep(METRICS_REFRESH_S)
+
+    async def __del__(self) -> None:
+        self._refresh_task.cancel()
+        await self._engine.shutdown()
+

@@ -1,0 +1,148 @@
+"""`VocoderServer`: the Ray Serve deployment around `vocoder.StreamingVocoder` (no model logic here).
+
+`synthesize` is ONE long streaming call per utterance. It calls the LLM deployment itself, so the
+codes of an utterance flow LLM replica -> this replica -> ingress, and the utterance's vocoder session
+is opened, advanced and finished inside this one call: its state can never be routed to another
+replica. Codes are pushed into the replica's `VocoderBatcher`, which advances every active stream
+with one `StreamingVocoder.step` per round.
+
+Events yielded (plain dicts): `started` (the engine accepted the request), `text`, `audio` (PCM16
+bytes), `done` (usage), or `error` (first item only, or mid-stream when the engine fails).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deployments.batcher import END, BatchedStream, VocoderBatcher
+from deployments.errors import error_event, internal_error
+from deployments.framing import pcm16_bytes
+from deployments.metrics import RecentWindow, VocoderMetrics
+
+logger = logging.getLogger("ray.serve")
+
+
+class VocoderServer:
+    """One StreamingVocoder per replica, plus a handle to the LLM deployment."""
+
+    async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any) -> None:
+        from vocoder import StreamingVocoder
+        from vocoder.config import SAMPLE_RATE
+
+        kwargs = dict(vocoder_kwargs)
+        self._vocoder = StreamingVocoder.from_preset(kwargs.pop("preset"), **kwargs)
+        self._llm = llm
+        self._metrics = VocoderMetrics.create()
+        self._batch_sizes = RecentWindow(window_s=30.0)
+        self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size,
+                                       sample_rate=SAMPLE_RATE, on_step=self._on_step)
+        self._num_active = 0
+        self._metrics.active_streams.set(0)
+
+    def _on_step(self, batch_size: int) -> None:
+        self._metrics.batch_size.observe(batch_size)
+        self._batch_sizes.add(batch_size)
+
+    def voices(self) -> list[str]:
+        """Names of the voices this replica can speak with."""
+        return sorted(self._vocoder.voices.names())
+
+    def stats(self) -> dict[str, Any]:
+        """Counts for /admin/stats and tests."""
+        return {"active_streams": self._num_active, "open_sessions": self._batcher.num_open_sessions,
+                "batched_streams": self._batcher.num_streams, "num_steps": self._batcher.num_steps}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (see deployments.autoscaling:vocoder_policy)."""
+        occupancy = self._batch_sizes.mean() / self._batcher.max_batch_size
+        return {"batch_occupancy": float(min(1.0, occupancy)), "lag_s": float(self._batcher.lag_s())}
+
+    def _set_active(self, delta: int) -> None:
+        self._num_active += delta
+        self._metrics.active_streams.set(self._num_active)
+
+    async def synthesize(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one utterance: see the module docstring for the events."""
+        llm_stream = self._llm.generate.options(stream=True).remote(request)
+        try:
+            first = await anext(llm_stream)
+        except Exception as exc:  # noqa: BLE001 - reported to the ingress as an error event
+            llm_stream.cancel()
+            yield error_event(exc)
+            return
+        if first["type"] == "error":
+            yield first
+            return
+        self._set_active(+1)
+        stream: BatchedStream | None = None
+        reader: asyncio.Task | None = None
+        is_done = False
+        try:
+            if request["with_audio"]:
+                stream = await self._batcher.open(request["voice"], request.get("seed") or 0)
+            out: asyncio.Queue = stream.out if stream is not None else asyncio.Queue()
+            finished: dict[str, Any] = {}
+            reader = asyncio.get_running_loop().create_task(
+                self._read_llm(first, llm_stream, stream, out, finished))
+            yield {"type": "started"}
+            num_samples = 0
+            while True:
+                item = await out.get()
+                if item is END:
+                    break
+                if isinstance(item, dict):  # text or error from the reader
+                    yield item
+                    if item["type"] == "error":
+                        is_done = True
+                        return
+                    continue
+                num_samples += len(item)
+                yield {"type": "audio", "pcm": pcm16_bytes(item)}
+            await reader
+            is_done = True
+            yield {"type": "done", **finished, "num_audio_samples": num_samples}
+        finally:
+            self._set_active(-1)
+            if reader is not None and not reader.done():
+                reader.cancel()
+            if not is_done:
+                llm_stream.cancel()
+            if stream is not None and not stream.is_closed:
+                self._batcher.close(stream)
+
+    async def _read_llm(self, first: dict[str, Any], llm_stream: Any, stream: BatchedStream | None,
+                        out: asyncio.Queue, finished: dict[str, Any]) -> None:
+        """Move LLM events into the batcher (codes) or straight to `out` (text); END after the tail."""
+        try:
+            item = first
+            while True:
+                if item["type"] == "text":
+                    out.put_nowait(item)
+                elif item["type"] == "codes":
+                    if stream is not None:
+                        self._batcher.push(stream, item["codes"])
+                elif item["type"] == "finished":
+                    finished.update({k: v for k, v in item.items() if k != "type"})
+                    if item["reason"] == "error":
+                        out.put_nowait(internal_error(f"generation failed: {item['error']}").to_event())
+                        return
+                    break
+                elif item["type"] == "error":
+                    out.put_nowait(item)
+                    return
+                item = await anext(llm_stream)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("reading the LLM stream failed")
+            out.put_nowait(error_event(exc))
+            return
+        if stream is not None:
+            self._batcher.end(stream)  # the batcher flushes, finishes and puts END
+        else:
+            out.put_nowait(END)
+
+    async def __del__(self) -> None:
+        await self._batcher.shutdown()

@@ -1,0 +1,139 @@
+"""Request parsing and checks (no Ray, no model): each bad input maps to an exact 4xx error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.errors import ApiError
+from deployments.validation import READ_ALOUD_PROMPT, Limits, chat_request, speech_request
+
+LIMITS = Limits(served_model_name="moss-speech", voices=["default", "warm"], max_input_chars=20,
+                max_new_tokens_limit=100, default_max_new_tokens=50)
+
+
+def speech(**fields: object) -> bytes:
+    body = {"model": "moss-speech", "input": "hello", "voice": "default", **fields}
+    return json.dumps({k: v for k, v in body.items() if v is not ...}).encode()
+
+
+def error_of(call, body: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        call(body, LIMITS)
+    return info.value
+
+
+def test_speech_request_dict_carries_prompt_sampling_and_limits() -> None:
+    req, payload = speech_request(speech(temperature=0.5, top_k=7, seed=3, max_new_tokens=40,
+                                         min_new_tokens=10, response_format="pcm"), LIMITS)
+    assert req.response_format == "pcm" and req.stream_format == "audio"
+    assert payload["request_id"].startswith("speech-")
+    assert payload["messages"] == [("system", READ_ALOUD_PROMPT), ("user", "hello")]
+    assert payload["output_modality"] == "audio" and payload["with_audio"] is True
+    assert payload["audio_sampling"] == {"temperature": 0.5, "top_k": 7}
+    assert payload["text_sampling"] == {}
+    assert (payload["max_new_tokens"], payload["min_new_tokens"], payload["seed"]) == (40, 10, 3)
+
+
+def test_speech_defaults() -> None:
+    req, payload = speech_request(speech(voice=...), LIMITS)
+    assert (req.voice, req.response_format, req.stream_format) == ("default", "wav", "audio")
+    assert payload["max_new_tokens"] == 50 and payload["min_new_tokens"] == 0 and payload["seed"] is None
+
+
+@pytest.mark.parametrize(("body", "status", "param", "fragment"), [
+    (b"{not json", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "must be a JSON object"),
+    (b'{"model": "moss-speech", "input": "hi", "temperature": NaN}', 400, None, "non-finite number NaN"),
+    (b'{"model": "moss-speech", "input": "hi", "top_p": Infinity}', 400, None, "non-finite number Infinity"),
+    (speech(input=...), 400, "input", "Field required"),
+    (speech(input=""), 400, "input", "at least 1 character"),
+    (speech(input="   "), 400, None, "non-whitespace"),
+    (speech(input=5), 400, "input", "valid string"),
+    (speech(temperature="0.5"), 400, "temperature", "valid number"),
+    (speech(temperature=2.5), 400, "temperature", "less than or equal to 2"),
+    (speech(top_p=0), 400, "top_p", "greater than 0"),
+    (speech(top_k=1.5), 400, "top_k", "valid integer"),
+    (speech(top_k=-1), 400, "top_k", "greater than or equal to 0"),
+    (speech(repetition_penalty=0), 400, "repetition_penalty", "greater than 0"),
+    (speech(seed=-1), 400, "seed", "greater than or equal to 0"),
+    (speech(max_new_tokens=0), 400, "max_new_tokens", "greater than or equal to 1"),
+    (speech(max_new_tokens=101), 400, "max_new_tokens", "must be <= 100"),
+    (speech(min_new_tokens=60), 400, "min_new_tokens", "must not exceed max_new_tokens (50)"),
+    (speech(min_new_tokens=9, max_new_tokens=8), 400, None, "min_new_tokens (9) must not exceed"),
+    (speech(voice="nobody"), 400, "voice", "unknown voice 'nobody'; available voices: default, warm"),
+    (speech(response_format="mp3"), 400, "response_format", "'wav' or 'pcm'"),
+    (speech(stream_format="chunks"), 400, "stream_format", "'audio' or 'sse'"),
+    (speech(speed=1.5), 400, None, "speed must be 1.0"),
+    (speech(input="x" * 21), 400, "input", "21 characters long; the limit is 20"),
+    (speech(model="tts-1"), 404, "model", "'tts-1' does not exist"),
+])
+def test_bad_speech_input_is_a_4xx(body: bytes, status: int, param: str | None, fragment: str) -> None:
+    err = error_of(speech_request, body)
+    assert err.status == status
+    assert err.param == param
+    assert fragment in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def chat(messages: object = ..., **fields: object) -> bytes:
+    if messages is ...:
+        messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "moss-speech", "messages": messages, "stream": True, **fields}
+    return json.dumps({k: v for k, v in body.items() if v is not ...}).encode()
+
+
+def test_chat_request_dict_keeps_turns_in_order() -> None:
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]},
+             {"role": "user", "content": "again"}]
+    req, payload = chat_request(chat(turns, modalities=["text", "audio"], audio={"voice": "warm",
+                                                                                 "format": "pcm16"},
+                                     max_tokens=30, temperature=0.0), LIMITS)
+    assert req.wants_audio
+    assert payload["messages"] == [("system", "be brief"), ("user", "hi"), ("assistant", "hello"),
+                                   ("user", "again")]
+    assert payload["output_modality"] == "audio" and payload["voice"] == "warm"
+    assert payload["text_sampling"] == {"temperature": 0.0} and payload["max_new_tokens"] == 30
+    _, text_only = chat_request(chat(), LIMITS)
+    assert text_only["output_modality"] == "text" and text_only["with_audio"] is False
+
+
+@pytest.mark.parametrize(("body", "param", "fragment"), [
+    (chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA",
+                                                                                  "format": "wav"}}]}]),
+     "messages.0.content", "speech input not supported yet"),
+    (chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages.0.content", "unsupported content part type 'image_url'"),
+    (chat([]), "messages", "at least 1 item"),
+    (chat([{"role": "robot", "content": "hi"}]), "messages.0.role", "'system', 'developer'"),
+    (chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]), None,
+     "last message must have role 'user'"),
+    (chat(stream=False), None, "only stream=true is supported"),
+    (chat(modalities=["video"]), "modalities.0", "'text' or 'audio'"),
+    (chat(modalities=["audio"], audio={"voice": "nobody"}), "audio.voice", "unknown voice 'nobody'"),
+    (chat(modalities=["audio"], audio={"format": "mp3"}), "audio.format", "'pcm16'"),
+    (chat([{"role": "user", "content": "y" * 21}]), "messages", "21 characters long"),
+    (chat(max_tokens=101), "max_new_tokens", "must be <= 100"),
+    (chat(n=2), "n", "less than or equal to 1"),
+])
+def test_bad_chat_input_is_a_400(body: bytes, param: str | None, fragment: str) -> None:
+    err = error_of(chat_request, body)
+    assert err.status == 400
+    assert err.param == param
+    assert fragment in err.message
+
+
+def test_error_response_is_openai_shaped_with_retry_after() -> None:
+    from deployments.errors import error_event, overloaded
+    from runtime.errors import ContextLengthExceededError, EngineOverloadedError
+
+    response = overloaded("busy", 2.2).response()
+    assert response.status_code == 503 and response.headers["retry-after"] == "3"
+    assert json.loads(response.body) == {"error": {"message": "busy", "type": "server_overloaded_error",
+                                                   "param": None, "code": "server_overloaded"}}
+    event = error_event(EngineOverloadedError("queue full", retry_after_s=0.5))
+    assert ApiError.from_event(event).response().headers["retry-after"] == "1"
+    event = error_event(ContextLengthExceededError("too long"))
+    assert (event["status"], event["code"], event["kind"]) == (400, "context_length_exceeded", "context_length")
+    assert error_event(RuntimeError("boom"))["status"] == 500
