@@ -1,0 +1,196 @@
+"""Scheduler: token budget order, chunked prefill, preemption to the queue front, typed admission errors,
+queue timeout, abort. Rows are fed back by hand (no model), so every chunk is exact."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.block_manager import BlockManager
+from runtime.errors import ContextLengthExceededError, EngineOverloadedError
+from runtime.request import GenerationRequest
+from runtime.sampling import RequestSampler, SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import Sequence, SequenceStatus
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_seq(request_id: str, num_prompt: int, max_new_tokens: int = 8, first: int = 0) -> Sequence:
+    prompt = tuple((first + i, 512) for i in range(num_prompt))
+    request = GenerationRequest(request_id, prompt, GREEDY, GREEDY, max_new_tokens=max_new_tokens)
+    sampler = RequestSampler(prompt, GREEDY, GREEDY, min_new_tokens=0, seed=0)
+    return Sequence(request, sampler, 0, 0.0)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, clock: FakeClock | None = None, **limits: int) -> Scheduler:
+    config = SchedulerConfig(**limits)
+    return Scheduler(config, BlockManager(num_blocks, block_size), clock or FakeClock())
+
+
+def layout(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    return [(c.seq.request_id, c.start, c.num_tokens, c.needs_sample) for c in out.chunks]
+
+
+def feed(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    """Pretend the model ran: every sequence that needs a sample gets the row (token, token)."""
+    sched.update(out, {c.seq.request_id: (token, token) for c in out.chunks if c.needs_sample})
+
+
+def test_decodes_first_then_chunked_prefill_within_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10)
+    a, b, c = make_seq("a", 7), make_seq("b", 6), make_seq("c", 3)
+    for seq in (a, b, c):
+        sched.add(seq)
+    out = sched.schedule()
+    assert layout(out) == [("a", 0, 7, True), ("b", 0, 3, False)]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    feed(sched, out)
+    out = sched.schedule()
+    # a decodes (1 row), b finishes its prompt (3 rows), c is admitted with the rest of the budget.
+    assert layout(out) == [("a", 7, 1, True), ("b", 3, 3, True), ("c", 0, 3, True)]
+    assert out.num_batched_tokens == 7
+    assert b.block_table == [2, 3] and c.block_table == [4]
+    feed(sched, out)
+    assert [s.num_rows for s in (a, b, c)] == [9, 7, 4]
+    out = sched.schedule()
+    assert layout(out) == [("a", 8, 1, True), ("b", 6, 1, True), ("c", 3, 1, True)]
+    assert all(ch.is_decode for ch in out.chunks)
+
+
+def test_max_num_running_keeps_the_rest_waiting() -> None:
+    sched = make_scheduler(max_num_running=2)
+    for name in "abc":
+        sched.add(make_seq(name, 3))
+    out = sched.schedule()
+    assert [c.seq.request_id for c in out.chunks] == ["a", "b"]
+    assert [s.request_id for s in sched.waiting] == ["c"]
+
+
+def test_finish_by_length_and_stop_frees_blocks() -> None:
+    sched = make_scheduler()
+    a, b = make_seq("a", 3, max_new_tokens=2), make_seq("b", 3, max_new_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    new_rows = sched.update(out, {"a": (1, 1), "b": (151645, 3)})  # b samples <|im_end|>
+    assert [(s.request_id, r) for s, r in new_rows] == [("a", (1, 1)), ("b", (151645, 3))]
+    assert b.is_finished and b.finish_reason == "stop" and b.block_table == []
+    out = sched.schedule()
+    assert layout(out) == [("a", 3, 1, True)]
+    sched.update(out, {"a": (2, 2)})
+    assert a.finish_reason == "length" and a.num_generated == 2
+    assert sched.block_manager.num_used_blocks == 0 and not sched.has_work
+
+
+def test_preemption_evicts_most_recent_to_queue_front_and_recomputes() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched.block_manager.enable_prefix_caching = False  # recompute every row after the preemption
+    a, b, c = make_seq("a", 3), make_seq("b", 3, first=50), make_seq("c", 1, first=90)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert layout(out) == [("a", 0, 3, True), ("b", 0, 3, True)]
+    sched.add(c)  # queued behind; no room to admit it
+    feed(sched, out)
+    out = sched.schedule()  # both decode their 4th row into the second block they already hold
+    assert layout(out) == [("a", 3, 1, True), ("b", 3, 1, True)]
+    assert [s.request_id for s in sched.waiting] == ["c"]
+    feed(sched, out)
+    # Row 5 of a needs a third block: the pool is empty, so b (admitted last) is preempted.
+    out = sched.schedule()
+    assert out.preempted == ["b"]
+    assert layout(out) == [("a", 4, 1, True)]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    assert sched.num_preemptions == 1
+    feed(sched, out)
+    sched.abort("a")
+    # b comes back first and recomputes prompt + generated rows in one chunk, then samples.
+    out = sched.schedule()
+    assert layout(out)[0] == ("b", 0, 5, True)
+    assert b.num_admissions == 2
+
+
+def test_sequence_that_is_the_most_recent_preempts_itself() -> None:
+    sched = make_scheduler(num_blocks=3, block_size=2)
+    sched.block_manager.enable_prefix_caching = False
+    a, b = make_seq("a", 3), make_seq("b", 2, first=40)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert layout(out) == [("a", 0, 3, True), ("b", 0, 2, True)]
+    assert (a.block_table, b.block_table) == ([0, 1], [2])
+    feed(sched, out)
+    # a's 4th row fits its block 1; b's 3rd row needs a block, and b itself is the latest admitted.
+    out = sched.schedule()
+    assert out.preempted == ["b"]
+    assert layout(out) == [("a", 3, 1, True)]
+    assert b.block_table == [] and [s.request_id for s in sched.waiting] == ["b"]
+    assert sched.block_manager.free_block_order() == [2]
+
+
+def test_admission_errors() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=20, max_num_waiting=2)
+    too_long = make_seq("x", 15, max_new_tokens=6).request
+    with pytest.raises(ContextLengthExceededError, match="exceeds max_model_len"):
+        sched.check_admissible(too_long)
+    too_big = make_seq("y", 10, max_new_tokens=7).request  # 17 rows -> 5 blocks > 4
+    with pytest.raises(ContextLengthExceededError, match="whole cache holds 4 blocks"):
+        sched.check_admissible(too_big)
+    fits = make_seq("z", 10, max_new_tokens=6)
+    sched.check_admissible(fits.request)
+    sched.add(fits)
+    sched.add(make_seq("w", 2))
+    with pytest.raises(EngineOverloadedError) as info:
+        sched.check_admissible(make_seq("v", 2).request)
+    assert info.value.retry_after_s == sched.config.retry_after_s
+
+
+def test_queue_timeout_ends_waiting_requests_only() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(clock=clock, max_num_running=1, queue_timeout_s=5.0)
+    a, b = make_seq("a", 2), make_seq("b", 2)
+    sched.add(a)
+    sched.add(b)
+    feed(sched, sched.schedule())
+    clock.now += 5.0
+    assert sched.expire_waiting() == []
+    clock.now += 0.5
+    assert sched.expire_waiting() == [b]
+    assert b.finish_reason == "error" and "waited more than 5 s" in (b.error or "")
+    assert a.status is SequenceStatus.RUNNING and list(sched.waiting) == []
+
+
+def test_abort_frees_at_once() -> None:
+    sched = make_scheduler(max_num_running=1)
+    a, b = make_seq("a", 9), make_seq("b", 2)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert sched.block_manager.num_used_blocks == 3
+    assert sched.abort("a") is a and sched.abort("b") is b
+    assert sched.abort("a") is None
+    assert sched.block_manager.num_used_blocks == 0 and not sched.has_work
+    sched.update(out, {"a": (1, 1)})  # a step that ran during the abort is ignored
+    assert a.num_rows == 9 and a.finish_reason == "abort"
+
+
+def test_prefix_hit_starts_after_cached_blocks() -> None:
+    sched = make_scheduler(block_size=4)
+    a = make_seq("a", 10)
+    sched.add(a)
+    feed(sched, sched.schedule())
+    b = make_seq("b", 9)  # same first 9 rows -> the first 2 full blocks are cached
+    sched.add(b)
+    out = sched.schedule()
+    assert layout(out) == [("a", 10, 1, True), ("b", 8, 1, True)]
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    bm = sched.block_manager
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (19, 8)
