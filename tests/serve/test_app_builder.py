@@ -1,0 +1,80 @@
+"""`build_app` and the shipped YAML configs (no cluster needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve._private.build_app import build_app as serve_build_app
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import GpuUnavailableError, build_app, check_gpus
+from deployments.args import AppArgs
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
+
+
+def yaml_args(name: str) -> dict:
+    config = yaml.safe_load((CONFIG_DIR / name).read_text())
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    return app["args"]
+
+
+def deployments_of(args: dict) -> dict:
+    built = serve_build_app(build_app(args), name="test")
+    return {d.name: d for d in built.deployments}
+
+
+def test_cpu_config_builds_three_deployments_with_fractional_cpus_and_no_gpus() -> None:
+    deployments = deployments_of(yaml_args("serve.yaml"))
+    assert set(deployments) == {"LLMServer", "VocoderServer", "Ingress"}
+    options = {name: d.ray_actor_options for name, d in deployments.items()}
+    assert options == {"LLMServer": {"num_cpus": 0.5}, "VocoderServer": {"num_cpus": 0.5},
+                       "Ingress": {"num_cpus": 0.25}}
+
+
+def test_gpu_config_is_refused_on_a_gpu_less_cluster() -> None:
+    args = AppArgs.model_validate(yaml_args("serve-4090.yaml"))
+    with pytest.raises(GpuUnavailableError, match=r"LLM num_gpus=0.8, vocoder num_gpus=0.2\) but the "
+                                                  r"Ray cluster has 0 GPU\(s\)"):
+        check_gpus(args, gpus_available=0.0)
+    check_gpus(args, gpus_available=1.0)  # one card holds 0.8 + 0.2
+
+
+def test_gpu_config_uses_the_ops_autoscaling_policies() -> None:
+    args = yaml_args("serve-4090.yaml")
+    args["require_gpus_at_start"] = False
+    deployments = deployments_of(args)
+    llm, vocoder = deployments["LLMServer"], deployments["VocoderServer"]
+    assert llm.ray_actor_options == {"num_gpus": 0.8, "num_cpus": 2}
+    assert vocoder.ray_actor_options == {"num_gpus": 0.2, "num_cpus": 1}
+    assert llm._deployment_config.autoscaling_config.policy.policy_function == \
+        "deployments.autoscaling:llm_policy"
+    assert vocoder._deployment_config.autoscaling_config.policy.policy_function == \
+        "deployments.autoscaling:vocoder_policy"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"engine": {"model": "tiny", "device": "cuda"}}, "engine device is 'cuda' but llm_options.num_gpus is 0"),
+    ({"vocoder_options": {"num_gpus": 0.5}}, "vocoder_options.num_gpus is 0.5 but the vocoder device is 'cpu'"),
+    ({"ingress_options": {"num_gpus": 1}}, "ingress_options.num_gpus must be 0"),
+])
+def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_gpus(AppArgs.model_validate(change), gpus_available=8.0)
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    ({"llm_options": {"num_cpu": 1}}, "unknown deployment option(s) ['num_cpu']"),
+    ({"llm_options": {"num_cpus": -1}}, "num_cpus must be a number >= 0"),
+    ({"engine": {"device": "cpu"}}, "engine.model is required"),
+    ({"vocoder_preset": "huge"}, "'tiny' or 'full'"),
+    ({"unknown_knob": 1}, "Extra inputs are not permitted"),
+])
+def test_bad_app_args_are_rejected(args: dict, fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        AppArgs.model_validate(args)
+    assert fragment in str(info.value)
