@@ -74,17 +74,21 @@ class AttentionMetadata:
         slots: list[torch.Tensor] = []
         chunks: list[ChunkPlan] = []
         decode_rows: list[int] = []
-        decode_seqs: list[int] = []
+        decode_lens: list[int] = []
+        decode_tables: list[list[int]] = []
         row = 0
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-            table = torch.tensor(block_tables[i][: math.ceil(seq_len / block_size)], dtype=torch.long)
-            pos = torch.arange(seq_len)  # [seq_len]
-            key_slots = table[pos // block_size] * block_size + pos % block_size  # [seq_len]
-            slots.append(key_slots[seq_len - query_len :])
+            table = block_tables[i][: math.ceil(seq_len / block_size)]
             if query_len == 1:
+                last = seq_len - 1
+                slots.append(torch.tensor([table[last // block_size] * block_size + last % block_size]))
                 decode_rows.append(row)
-                decode_seqs.append(i)
+                decode_lens.append(seq_len)
+                decode_tables.append(table)
             else:
+                pos = torch.arange(seq_len)  # [seq_len]
+                key_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size  # [seq_len]
+                slots.append(key_slots[seq_len - query_len :])
                 mask = None
                 if query_len != seq_len:
                     q_pos = torch.arange(seq_len - query_len, seq_len)  # [query_len]
@@ -102,17 +106,14 @@ class AttentionMetadata:
             block_size=block_size,
             chunks=chunks,
         )
-        if decode_seqs:
+        if decode_rows:
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long).to(device)
-            lens = torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long)  # [Sd]
-            max_len = int(lens.max())
-            max_blocks = math.ceil(max_len / block_size)
-            tables = torch.zeros(len(decode_seqs), max_blocks, dtype=torch.long)  # [Sd, max_blocks]
-            for j, i in enumerate(decode_seqs):
-                used = block_tables[i][: math.ceil(seq_lens[i] / block_size)]
-                tables[j, : len(used)] = torch.tensor(used, dtype=torch.long)
-                tables[j, len(used) :] = used[0]  # padding points at a real block; it is masked out
-            pos = torch.arange(max_len)  # [Kmax]
+            max_blocks = max(len(t) for t in decode_tables)
+            # Padding points at a real block of the same sequence; those positions are masked out.
+            padded = [t + [t[0]] * (max_blocks - len(t)) for t in decode_tables]
+            tables = torch.tensor(padded, dtype=torch.long)  # [Sd, max_blocks]
+            lens = torch.tensor(decode_lens, dtype=torch.long)  # [Sd]
+            pos = torch.arange(max(decode_lens))  # [Kmax]
             meta.decode_key_slots = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
             meta.decode_key_mask = (pos[None, :] < lens[:, None]).to(device)  # [Sd, Kmax]
         return meta
