@@ -13,7 +13,7 @@ from torch import nn
 from runtime.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
 from runtime.config import MODALITY_PAD_ID, ModelConfig, Row
 from runtime.kv_cache import KVCache
-from runtime.layers import LayerStack, RMSNorm, rotary_cos_sin
+from runtime.layers import AttentionBackend, LayerStack, RMSNorm, rotary_cos_sin
 
 INIT_STD = 0.02
 
@@ -95,7 +95,7 @@ class MossSpeechForCausalLM(nn.Module):
         self.audio_lm_head = nn.Linear(config.hidden_size, config.audio_vocab_size, bias=False)
 
     def _run(
-        self, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, backend: object,
+        self, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
         select: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.debug_checks:
