@@ -1,0 +1,123 @@
+"""`VocoderBatcher` with a recording test double: batching, ordering, flush, finish and abort.
+
+(The real tiny vocoder runs through the batcher in test_batcher_real.py and the HTTP tests.)
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from deployments.batcher import END, VocoderBatcher
+
+SAMPLES = 4  # per code, for the double
+LOOKAHEAD = 2
+
+
+class Session:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.codes: list[int] = []
+        self.emitted = 0
+        self.closed = False
+
+
+class RecordingVocoder:
+    """Emits SAMPLES per code once LOOKAHEAD later codes exist; each sample's value is its code."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, list[int]]]] = []
+        self.finished: list[str] = []
+        self.num_opened = 0
+
+    def open(self, voice: str, *, seed: int = 0) -> Session:
+        self.num_opened += 1
+        return Session(f"{voice}-{seed}")
+
+    def _emit(self, session: Session, upto: int) -> np.ndarray:
+        out = np.repeat(np.asarray(session.codes[session.emitted:upto], dtype=np.float32), SAMPLES)
+        session.emitted = max(session.emitted, upto)
+        return out
+
+    def step(self, work: list[tuple[Session, Sequence[int]]]) -> list[np.ndarray]:
+        self.steps.append([(s.name, list(codes)) for s, codes in work])
+        outs = []
+        for session, codes in work:
+            assert not session.closed
+            session.codes.extend(codes)
+            outs.append(self._emit(session, max(0, len(session.codes) - LOOKAHEAD)))
+        return outs
+
+    def finish(self, session: Session) -> np.ndarray:
+        assert not session.closed
+        session.closed = True
+        self.finished.append(session.name)
+        return self._emit(session, len(session.codes))
+
+
+async def drain(queue: asyncio.Queue) -> list[float]:
+    values: list[float] = []
+    while (item := await queue.get()) is not END:
+        values.extend(item.tolist())
+    return values
+
+
+def test_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -> None:
+    async def main() -> None:
+        vocoder = RecordingVocoder()
+        sizes: list[int] = []
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, on_step=sizes.append)
+        a = await batcher.open("default", seed=1)
+        b = await batcher.open("default", seed=2)
+        batcher.push(a, [1, 2, 3])
+        batcher.push(b, [7])
+        batcher.push(a, [4])  # arrives before the loop runs: joins a's pending codes
+        batcher.end(b)
+        batcher.end(a)
+        out_a, out_b = await asyncio.gather(drain(a.out), drain(b.out))
+        assert vocoder.steps == [[("default-1", [1, 2, 3, 4]), ("default-2", [7])]]
+        assert sizes == [2]
+        assert out_a == [1.0] * 4 + [2.0] * 4 + [3.0] * 4 + [4.0] * 4
+        assert out_b == [7.0] * 4
+        assert (a.num_codes, a.num_samples, b.num_samples) == (4, 16, 4)
+        assert sorted(vocoder.finished) == ["default-1", "default-2"]
+        assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_max_batch_size_takes_the_longest_waiting_streams_first() -> None:
+    async def main() -> None:
+        vocoder = RecordingVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=2, sample_rate=24000)
+        streams = [await batcher.open("v", seed=i) for i in range(3)]
+        for index, stream in enumerate(streams):
+            batcher.push(stream, [index])
+            batcher.end(stream)
+        await asyncio.gather(*(drain(s.out) for s in streams))
+        assert vocoder.steps == [[("v-0", [0]), ("v-1", [1])], [("v-2", [2])]]
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_close_finishes_the_session_and_drops_its_output() -> None:
+    async def main() -> None:
+        vocoder = RecordingVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=4, sample_rate=24000)
+        kept = await batcher.open("v", seed=0)
+        dropped = await batcher.open("v", seed=9)
+        batcher.push(dropped, [5, 5, 5, 5])
+        batcher.close(dropped)  # before any step: its codes never reach the vocoder
+        batcher.push(kept, [1])
+        batcher.end(kept)
+        assert await drain(kept.out) == [1.0] * 4
+        assert vocoder.steps == [[("v-0", [1])]]
+        assert sorted(vocoder.finished) == ["v-0", "v-9"]
+        assert dropped.out.empty()
+        assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
