@@ -1,0 +1,133 @@
+"""Causal building blocks of the flow estimator, with explicit left-context caches for streaming."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ConvCache:
+    """Left context for every causal conv of one estimator forward.
+
+    Whole-sequence mode (`caches=None`): each conv sees zero padding, as at the start of a stream.
+    Streaming mode: conv i is fed `caches[i]` ([B, C, context]) in front of the new frames, and the
+    last `context` inputs of each row's first `num_valid[b]` new frames are collected in `updated`,
+    so right-padding of shorter rows in a batch never leaks into any row's state.
+    """
+
+    def __init__(self, caches: list[torch.Tensor] | None = None, num_valid: torch.Tensor | None = None):
+        self.caches = caches
+        self.num_valid = num_valid  # [B] long, new valid frames per row
+        self.index = 0
+        self.updated: list[torch.Tensor] = []
+
+    def extend(self, x: torch.Tensor, context: int) -> torch.Tensor:
+        """Prepend `context` frames of history: [B, C, T] -> [B, C, context + T]."""
+        if self.caches is None:
+            full = F.pad(x, (context, 0))
+        else:
+            cache = self.caches[self.index]
+            assert cache.shape == (x.shape[0], x.shape[1], context), (cache.shape, x.shape, context)
+            full = torch.cat([cache.to(x.dtype), x], dim=2)
+        self.index += 1
+        if self.num_valid is not None:
+            offsets = torch.arange(context, device=x.device)  # [ctx]
+            idx = (self.num_valid[:, None] + offsets[None, :])[:, None, :]  # [B, 1, ctx]
+            self.updated.append(torch.gather(full, 2, idx.expand(-1, x.shape[1], -1)))  # [B, C, ctx]
+        return full
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d that only looks left (kernel - 1 frames of history)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3):
+        super().__init__(in_channels, out_channels, kernel_size, padding=0)
+
+    def forward(self, x: torch.Tensor, cache: ConvCache) -> torch.Tensor:  # type: ignore[override]
+        """[B, C_in, T] -> [B, C_out, T]."""
+        return super().forward(cache.extend(x, self.kernel_size[0] - 1))
+
+
+class CausalBlock(nn.Module):
+    """Causal conv -> LayerNorm over channels -> Mish (no mixing across time except the conv)."""
+
+    def __init__(self, dim: int, dim_out: int):
+        super().__init__()
+        self.conv = CausalConv1d(dim, dim_out, 3)
+        self.norm = nn.LayerNorm(dim_out)
+
+    def forward(self, x: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """[B, C_in, T] -> [B, C_out, T]."""
+        h = self.conv(x, cache)  # [B, C, T]
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return F.mish(h)
+
+
+class CausalResnetBlock(nn.Module):
+    """Two causal blocks with the timestep embedding added in between, plus a 1x1 residual."""
+
+    def __init__(self, dim: int, dim_out: int, time_dim: int):
+        super().__init__()
+        self.block1 = CausalBlock(dim, dim_out)
+        self.time_mlp = nn.Linear(time_dim, dim_out)
+        self.block2 = CausalBlock(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """x [B, C_in, T], t_emb [B, time_dim] -> [B, C_out, T]."""
+        h = self.block1(x, cache)
+        h = h + self.time_mlp(F.mish(t_emb))[:, :, None]
+        h = self.block2(h, cache)
+        return h + self.res_conv(x)
+
+
+class ChunkTransformer(nn.Module):
+    """Pre-norm transformer block whose attention stays inside fixed, code-aligned chunks of frames.
+
+    No state crosses a chunk boundary, so streaming needs no KV cache; time mixing across chunks comes
+    from the causal convs.
+    """
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, ffn_mult: int, chunk: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.chunk = num_heads, head_dim, chunk
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * num_heads * head_dim, bias=False)
+        self.out = nn.Linear(num_heads * head_dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, T] -> [B, C, T]; T must be a multiple of the chunk."""
+        b, c, t = x.shape
+        assert t % self.chunk == 0, (t, self.chunk)
+        h = x.transpose(1, 2).reshape(b * t // self.chunk, self.chunk, c)  # [B*N, chunk, C]
+        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
+        shape = (h.shape[0], self.chunk, self.num_heads, self.head_dim)
+        q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))  # [B*N, H, chunk, D]
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(h.shape[0], self.chunk, -1)
+        h = h + self.out(a)
+        h = h + self.ff(self.norm2(h))
+        return h.reshape(b, t, c).transpose(1, 2)
+
+
+class TimestepEmbedding(nn.Module):
+    """Sinusoidal embedding of t in [0, 1] (scaled by 1000) followed by an MLP."""
+
+    def __init__(self, sin_dim: int, out_dim: int):
+        super().__init__()
+        self.sin_dim = sin_dim
+        self.mlp = nn.Sequential(nn.Linear(sin_dim, out_dim), nn.SiLU(), nn.Linear(out_dim, out_dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        """t [B] -> [B, out_dim]."""
+        half = self.sin_dim // 2
+        freqs = torch.exp(
+            torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000) / (half - 1))
+        )
+        arg = 1000.0 * t.float()[:, None] * freqs[None, :]  # [B, half]
+        emb = torch.cat([arg.sin(), arg.cos()], dim=-1)  # [B, sin_dim]
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))

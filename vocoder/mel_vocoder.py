@@ -1,0 +1,157 @@
+"""Mel -> waveform with BigVGAN from the `bigvgan` package, built for this mel (24 kHz, 80 bins, hop 480).
+
+Checkpoints: a safetensors file holding the generator state dict (BigVGAN's published `bigvgan_generator.pt`
+stores {"generator": state_dict}; convert that once to safetensors elsewhere; pickles are never loaded here).
+Keys may carry weight-norm pairs (`weight_g`/`weight_v`, as trained) or folded weights, with or without a
+`generator.` prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vocoder.config import HOP_LENGTH, BigVGANConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bigvgan imports huggingface_hub; never go online from here
+
+from bigvgan.alias_free_activation.torch.act import Activation1d
+from bigvgan.bigvgan import AMPBlock1, AMPBlock2, BigVGAN
+from bigvgan.env import AttrDict
+
+Interval = tuple[int, int]
+
+
+def _quiet_remove_weight_norm(model: BigVGAN) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):  # bigvgan prints "Removing weight norm..."
+        model.remove_weight_norm()
+
+
+def _randomize(model: BigVGAN, seed: int) -> None:
+    """Deterministic weights with unit-gain scaling, so an untrained generator makes audible, unclipped PCM."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_convs = {id(m) for block in model.resblocks for m in block.modules()}
+    for module in model.modules():
+        if isinstance(module, nn.Conv1d | nn.ConvTranspose1d):
+            w = module.weight
+            fan_in = w.shape[1] * w.shape[2] if isinstance(module, nn.Conv1d) else w.shape[0] * w.shape[2]
+            if isinstance(module, nn.ConvTranspose1d):
+                fan_in = w.shape[0] * w.shape[2] // module.stride[0]
+            with torch.no_grad():
+                gain = 0.3 if id(module) in residual_convs else 1.0  # keep AMP residual sums from growing
+                w.copy_(torch.randn(w.shape, generator=gen) * (gain / math.sqrt(fan_in)))
+                if module.bias is not None:
+                    module.bias.zero_()
+    with torch.no_grad():
+        model.conv_post.weight.mul_(0.03)  # PCM std ~0.15, away from the [-1, 1] clamp
+
+
+def build_generator(
+    cfg: BigVGANConfig,
+    *,
+    checkpoint: str | Path | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> BigVGAN:
+    """A BigVGAN generator in eval mode with weight norm folded; random (seeded) unless a checkpoint is given."""
+    cfg.validate()
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # bigvgan uses the old weight_norm API
+        torch.manual_seed(seed)  # bigvgan initialises from the global RNG
+        model = BigVGAN(AttrDict(cfg.to_hparams()), use_cuda_kernel=False)
+    if checkpoint is None:
+        _quiet_remove_weight_norm(model)
+        _randomize(model, seed)
+    else:
+        from safetensors.torch import load_file
+
+        path = Path(checkpoint)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"BigVGAN checkpoint must be a .safetensors generator state dict, got {path}")
+        state = load_file(str(path))
+        state = {k.removeprefix("generator."): v for k, v in state.items()}
+        has_weight_norm = any(k.endswith("weight_g") for k in state)
+        if not has_weight_norm:
+            _quiet_remove_weight_norm(model)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"BigVGAN checkpoint {path} does not match the config: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        if has_weight_norm:
+            _quiet_remove_weight_norm(model)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _conv_back(conv: nn.Conv1d, span: Interval) -> Interval:
+    assert conv.stride[0] == 1
+    k, d, p = conv.kernel_size[0], conv.dilation[0], conv.padding[0]
+    assert isinstance(p, int)
+    return span[0] - p, span[1] + (k - 1) * d - p
+
+
+def _conv_transpose_back(conv: nn.ConvTranspose1d, span: Interval) -> Interval:
+    k, u, p = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+    return -((-(span[0] + p - (k - 1))) // u), (span[1] + p) // u
+
+
+def _activation_back(act: Activation1d, span: Interval) -> Interval:
+    low = act.downsample.lowpass  # strided low-pass at the doubled rate
+    s, kd, pl = low.stride, low.kernel_size, low.pad_left
+    up_lo, up_hi = s * span[0] - pl, s * span[1] - pl + kd - 1
+    up = act.upsample  # replicate-pad, transposed filter, crop
+    r, ku, pad, crop = up.ratio, up.kernel_size, up.pad, up.pad_left
+    return -((-(up_lo + crop - (ku - 1))) // r) - pad, (up_hi + crop) // r - pad
+
+
+def _resblock_back(block: nn.Module, span: Interval) -> Interval:
+    lo, hi = span
+    if isinstance(block, AMPBlock1):
+        acts1, acts2 = block.activations[::2], block.activations[1::2]
+        for c1, c2, a1, a2 in reversed(list(zip(block.convs1, block.convs2, acts1, acts2))):
+            b = _activation_back(a1, _conv_back(c1, _activation_back(a2, _conv_back(c2, (lo, hi)))))
+            lo, hi = min(lo, b[0]), max(hi, b[1])  # residual: identity path plus branch
+    elif isinstance(block, AMPBlock2):
+        for conv, act in reversed(list(zip(block.convs, block.activations))):
+            b = _activation_back(act, _conv_back(conv, (lo, hi)))
+            lo, hi = min(lo, b[0]), max(hi, b[1])
+    else:  # pragma: no cover - bigvgan has only these two
+        raise TypeError(type(block))
+    return lo, hi
+
+
+def receptive_field_frames(model: BigVGAN) -> tuple[int, int]:
+    """(left, right): the samples of mel frame f depend only on mel frames [f - left, f + right].
+
+    Walks the generator's layers backwards with exact index arithmetic (convs, transposed convs, the
+    anti-aliased up/down-sampling filters, residual unions). Window edges (zero or replicate padding)
+    therefore cannot reach a sample whose whole interval lies inside the window.
+    """
+    frame = 1_000_000  # far from any edge
+    span: Interval = (frame * HOP_LENGTH, frame * HOP_LENGTH + HOP_LENGTH - 1)
+    span = _conv_back(model.conv_post, span)
+    span = _activation_back(model.activation_post, span)
+    for i in reversed(range(model.num_upsamples)):
+        blocks = model.resblocks[i * model.num_kernels : (i + 1) * model.num_kernels]
+        spans = [_resblock_back(block, span) for block in blocks]
+        span = min(s[0] for s in spans), max(s[1] for s in spans)
+        for up in reversed(model.ups[i]):
+            span = _conv_transpose_back(up, span)
+    span = _conv_back(model.conv_pre, span)
+    return frame - span[0], span[1] - frame
+
+
+def vocode(model: BigVGAN, mel: torch.Tensor) -> torch.Tensor:
+    """mel [B, 80, T] -> PCM [B, T * HOP_LENGTH] in [-1, 1]."""
+    wav = model(mel.to(next(model.parameters()).dtype))  # [B, 1, T*480]
+    assert wav.shape[-1] == mel.shape[-1] * HOP_LENGTH, (wav.shape, mel.shape)
+    return wav[:, 0, :]

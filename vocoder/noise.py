@@ -1,0 +1,54 @@
+"""Counter-based Gaussian noise: the value for (seed, frame, bin) never depends on batch or chunking."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vocoder.config import NUM_MELS
+
+_MASK32 = 0xFFFFFFFF
+# Multipliers kept below 2**31 so that a 32-bit value times one of them fits in a signed int64.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x68E31DA5
+_MAX_SEED = 2**63 - 1
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Integer avalanche hash on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def check_seed(seed: int) -> int:
+    """Return `seed` if it is an int in [0, 2**63); else raise ValueError."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def frame_noise(seed: int, start: int, stop: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard normal noise for mel frames [start, stop) of a stream: float32 [NUM_MELS, stop - start].
+
+    Frame t's values are a pure function of (seed, t), so streams never share or consume RNG state.
+    """
+    check_seed(seed)
+    if not 0 <= start <= stop:
+        raise ValueError(f"bad frame range [{start}, {stop})")
+    dev = torch.device(device)
+    seed_key = torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64, device=dev)
+    key = _mix32(_mix32(seed_key[0:1]) ^ seed_key[1:2])  # [1]
+    frames = torch.arange(start, stop, dtype=torch.int64, device=dev)  # [T]
+    bins = torch.arange(NUM_MELS, dtype=torch.int64, device=dev)  # [M]
+    counter = frames[None, :] * (2 * NUM_MELS) + 2 * bins[:, None]  # [M, T], unique per (t, bin)
+    hi = _mix32((counter >> 32) & _MASK32)
+    lo = counter & _MASK32
+    base = _mix32(key ^ hi)  # [M, T]
+    u1 = (_mix32(base ^ lo).double() + 0.5) / 2**32  # (0, 1)
+    u2 = (_mix32(base ^ (lo + 1)).double() + 0.5) / 2**32
+    normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
+    return normal.float()

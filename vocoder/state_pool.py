@@ -1,0 +1,89 @@
+"""Slot pool for the flow estimator's per-session conv caches (one slot per open session).
+
+Layer l's caches of all sessions live in one tensor [capacity, num_steps, branches, C_l, ctx_l], so a
+batched step reads and writes every session's state with one index op per layer and Euler step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FlowStatePool:
+    """Fixed-shape conv caches per slot; zeros = the start of a stream (same as zero padding)."""
+
+    def __init__(
+        self,
+        shapes: list[tuple[int, int]],
+        num_steps: int,
+        num_branches: int,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        capacity: int = 8,
+    ):
+        self.shapes = shapes
+        self.num_steps = num_steps
+        self.num_branches = num_branches
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.tensors = [self._zeros(capacity, c, ctx) for c, ctx in shapes]
+        self.free_slots = list(range(capacity - 1, -1, -1))
+
+    def _zeros(self, capacity: int, channels: int, context: int) -> torch.Tensor:
+        return torch.zeros(
+            capacity,
+            self.num_steps,
+            self.num_branches,
+            channels,
+            context,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Number of slots currently allocated."""
+        return self.tensors[0].shape[0] if self.tensors else 0
+
+    @property
+    def num_used(self) -> int:
+        """Slots held by sessions."""
+        return self.capacity - len(self.free_slots)
+
+    def allocate(self) -> int:
+        """A zeroed slot; doubles the pool when full."""
+        if not self.free_slots:
+            old = self.capacity
+            new = max(1, 2 * old)
+            self.tensors = [
+                torch.cat([t, self._zeros(new - old, c, ctx)])
+                for t, (c, ctx) in zip(self.tensors, self.shapes)
+            ]
+            self.free_slots = list(range(new - 1, old - 1, -1))
+        slot = self.free_slots.pop()
+        for t in self.tensors:
+            t[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give a slot back."""
+        assert slot not in self.free_slots, slot
+        self.free_slots.append(slot)
+
+    def read(self, slots: torch.Tensor, step: int) -> list[torch.Tensor]:
+        """Caches of Euler step `step` for `slots` [B]: list of [branches*B, C, ctx], branch-major rows."""
+        out = []
+        for t in self.tensors:
+            x = t[slots, step]  # [B, branches, C, ctx]
+            out.append(x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3]))
+        return out
+
+    def write(self, slots: torch.Tensor, step: int, caches: list[torch.Tensor]) -> None:
+        """Inverse of `read`."""
+        assert len(caches) == len(self.tensors)
+        b = slots.shape[0]
+        for t, c in zip(self.tensors, caches):
+            t[slots, step] = (
+                c.reshape(self.num_branches, b, c.shape[1], c.shape[2]).transpose(0, 1).to(t.dtype)
+            )
