@@ -37,6 +37,8 @@ from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 # Peak HBM bandwidth in GB/s (vendor figures) for the roofline ratio; unknown devices report null.
 PEAK_GBPS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "A100-SXM4-80GB": 2039.0,
              "A800": 2039.0, "RTX 4090": 1008.0, "L40S": 864.0}
+# Dense bf16 tensor-core peak in TFLOP/s (vendor figures) for the prefill compute roofline.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -174,6 +176,17 @@ def weight_bytes_per_step(model: MossSpeechForCausalLM, batch: int) -> int:
     return total + batch * model.config.hidden_size * next(model.parameters()).element_size()
 
 
+def prefill_flops(config: ModelConfig, prompt_len: int) -> float:
+    """Matmul FLOPs of one prefill: every layer instance's projections and MLP for all rows, causal
+    attention scores and values, and both heads for the last row only."""
+    h, d = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_row = 2 * (h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size)
+    attention = 2 * 2 * q_dim * prompt_len * (prompt_len + 1) / 2  # QK^T and PV over the causal triangle
+    heads = 2 * h * (config.vocab_size + config.audio_vocab_size)
+    return config.num_layer_instances * (per_row * prompt_len + attention) + heads
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -263,6 +276,8 @@ def main(argv: list[str]) -> dict:
 
     name = device_name(device)
     peak = peak_gbps(name) if on_cuda else None
+    peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if on_cuda else None
+    tflops = prefill_flops(config, args.prompt_len) / (prefill.median_ms / 1e3) / 1e12
     for row in decode_rows:
         row["weight_roofline_fraction"] = round(row["weight_gbps"] / peak, 3) if peak else None
     result = {
@@ -275,7 +290,9 @@ def main(argv: list[str]) -> dict:
         "warmup": warmup, "reps": reps, "peak_gbps": peak, "verification": verification,
         "prefill": {"prompt_len": args.prompt_len, "median_ms": round(prefill.median_ms, 3),
                     "p90_ms": round(prefill.p90_ms, 3),
-                    "tokens_per_s": round(args.prompt_len / (prefill.median_ms / 1e3), 1)},
+                    "tokens_per_s": round(args.prompt_len / (prefill.median_ms / 1e3), 1),
+                    "tflops": round(tflops, 3),
+                    "tflops_roofline_fraction": round(tflops / peak_tflops, 3) if peak_tflops else None},
         "decode": decode_rows,
     }
     line = json.dumps(result)
