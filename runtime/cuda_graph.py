@@ -1,0 +1,145 @@
+"""CUDA graphs of the decode step, one per batch-size bucket (as nano-vllm does).
+
+A decode step (one new row per sequence) of b sequences runs in the smallest bucket B >= b: the inputs
+are copied into static buffers, rows b..B-1 are padding (slot -1: nothing stored; context 1 over block
+0: read and thrown away), the bucket's graph is replayed and the first b rows of its logits returned.
+The whole step (embedding, all 40 layer instances with their KV stores and paged attention, both norms
+and heads) is one replay, so a step costs no per-kernel launch overhead. Sampling runs right after it
+on the returned logits. Without CUDA (`use_graphs=False`) the same padded path runs eagerly, which is
+what CPU tests check.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from runtime.fast_forward import FastForward, StepInputs, max_blocks_for
+from runtime.kv_cache import KVCache
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+class DecodeGraphRunner:
+    """Runs decode steps through per-bucket CUDA graphs (or eagerly with the same padding)."""
+
+    def __init__(
+        self, forward: FastForward, kv_cache: KVCache, *, max_model_len: int,
+        buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool | None = None,
+    ) -> None:
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.device = kv_cache.k.device
+        self.buckets = sorted({int(b) for b in buckets})
+        assert self.buckets and self.buckets[0] >= 1
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.max_blocks = max_blocks_for(max_model_len, kv_cache.block_size)
+        self.max_context = self.max_blocks * kv_cache.block_size
+        largest = self.buckets[-1]
+        dev = self.device
+        self.tokens = torch.zeros(largest, dtype=torch.long, device=dev)  # [Bmax]
+        self.is_audio = torch.zeros(largest, dtype=torch.bool, device=dev)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=dev)  # [Bmax, W]
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(largest + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(largest, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int:
+        """Smallest bucket that holds `batch` sequences."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"decode batch {batch} outside 1..{self.max_batch}")
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
+
+    def _step(self, bucket: int) -> StepInputs:
+        return StepInputs(
+            tokens=self.tokens[:bucket], is_audio=self.is_audio[:bucket], positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
+            seq_lens=self.seq_lens[:bucket], query_start=self.query_start[: bucket + 1],
+            logits_indices=self.logits_indices[:bucket], max_query_len=1,
+            num_parts=self.forward.decode_num_parts(bucket, self.max_context),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's graph, largest first, sharing one memory pool (no-op without graphs)."""
+        if not self.use_graphs:
+            return
+        self._reset_padding(0)
+        pool = None
+        for bucket in reversed(self.buckets):
+            step = self._step(bucket)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile / autotune kernels and create library handles outside capture
+                    self.forward(step, self.kv_cache)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self.forward(step, self.kv_cache)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _reset_padding(self, start: int) -> None:
+        self.tokens[start:].zero_()
+        self.is_audio[start:].zero_()
+        self.positions[start:].zero_()
+        self.slot_mapping[start:].fill_(-1)
+        self.block_tables[start:].zero_()
+        self.seq_lens[start:].fill_(1)
+
+    @torch.inference_mode()
+    def run(
+        self, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of b sequences -> (text_logits [b, Vt], audio_logits [b, Va]) float32.
+
+        tokens, is_audio, positions, slot_mapping, seq_lens: [b]; block_tables [b, w] (w <= max blocks).
+        The returned logits live in the graph's static output: read them before the next `run`.
+        """
+        batch = tokens.shape[0]
+        bucket = self.bucket_for(batch)
+        width = block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"block table of {width} blocks exceeds max_model_len ({self.max_blocks} blocks)")
+        self.tokens[:batch].copy_(tokens)
+        self.is_audio[:batch].copy_(is_audio)
+        self.positions[:batch].copy_(positions)
+        self.slot_mapping[:batch].copy_(slot_mapping)
+        self.block_tables[:batch, :width].copy_(block_tables)
+        self.seq_lens[:batch].copy_(seq_lens)
+        self._reset_padding(batch)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            text, audio = self.outputs[bucket]
+        else:
+            text, audio = self.forward(self._step(bucket), self.kv_cache)
+        return text[:batch], audio[:batch]
+
+    def run_lists(
+        self, tokens: Sequence[int], is_audio: Sequence[bool], positions: Sequence[int],
+        slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` from host lists (what the model runner has); block tables may differ in length."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        dev = self.device
+        return self.run(
+            torch.tensor(list(tokens), dtype=torch.long).to(dev),
+            torch.tensor(list(is_audio), dtype=torch.bool).to(dev),
+            torch.tensor(list(positions), dtype=torch.long).to(dev),
+            torch.tensor(list(slot_mapping), dtype=torch.long).to(dev),
+            tables.to(dev),
+            torch.tensor(list(seq_lens), dtype=torch.int32).to(dev),
+        )

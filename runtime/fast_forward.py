@@ -1,0 +1,148 @@
+"""The fast forward pass: fused weights, fused per-layer ops, attention straight on the paged cache.
+
+Same function as `MossSpeechForCausalLM.forward` (runtime/model.py), restructured for speed:
+- QKV and gate/up are single matrices (runtime/fused.py); FP8 matrices are accepted (runtime/fp8.py).
+- The residual stream is carried beside the layer output so each residual add is fused into the next
+  RMSNorm (`add_rmsnorm`); q/k norm, RoPE and the K/V store are one op (`qk_norm_rope_store`).
+- Every input is a tensor of static shape (`StepInputs`), so a decode step can be captured in a CUDA
+  graph (runtime/cuda_graph.py); the only Python-level branch is decode (one row per sequence) vs prefill.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import AttentionMetadata
+from runtime.fast_ops import TorchOps, TritonOps, default_ops, rope_tables
+from runtime.fp8 import linear
+from runtime.fused import FusedWeights, LayerWeights
+from runtime.kv_cache import KVCache
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch as tensors; rows are grouped by sequence (see docs/contracts.md)."""
+
+    tokens: torch.Tensor  # [N] selected token per row
+    is_audio: torch.Tensor  # [N] bool
+    positions: torch.Tensor  # [N]
+    slot_mapping: torch.Tensor  # [N] int64; < 0 = padding row (K/V not stored)
+    block_tables: torch.Tensor  # [S, W] int32, padded with 0
+    seq_lens: torch.Tensor  # [S] int32, context including the new rows
+    query_start: torch.Tensor  # [S + 1] int32, first row of each sequence
+    logits_indices: torch.Tensor  # [S] int64, last new row of each sequence
+    max_query_len: int  # 1 = decode step (one row per sequence)
+    num_parts: int = 1  # decode only: key partitions per sequence
+
+    @classmethod
+    def from_metadata(
+        cls, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+        *, num_parts: int = 1,
+    ) -> StepInputs:
+        """Build from the plain path's metadata (same step, same cache)."""
+        device = attn.slot_mapping.device
+        width = max(len(t) for t in attn.block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32)
+        starts = [0]
+        for q in attn.query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            tokens=tokens, is_audio=is_audio, positions=positions,
+            slot_mapping=attn.slot_mapping.long(),
+            block_tables=tables.to(device),
+            seq_lens=torch.tensor(attn.seq_lens, dtype=torch.int32, device=device),
+            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            logits_indices=attn.logits_indices.long(),
+            max_query_len=max(attn.query_lens),
+            num_parts=num_parts,
+        )
+
+
+class FastForward:
+    """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`, float32 like the model."""
+
+    def __init__(
+        self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton"
+    ) -> None:
+        self.weights = weights
+        cfg = weights.config
+        self.config = cfg
+        device, dtype = weights.embed_text.device, weights.embed_text.dtype
+        self.ops = ops if ops is not None else default_ops(device)
+        self.fp8_small_batch = fp8_small_batch
+        self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
+
+    def decode_num_parts(self, batch: int, max_context: int) -> int:
+        """Key partitions the decode attention uses for this batch size and longest context."""
+        return self.ops.decode_num_parts(batch, self.config.num_key_value_heads, max_context)
+
+    def _linear(self, x: torch.Tensor, w: object) -> torch.Tensor:
+        return linear(x, w, small_batch_kernel=self.fp8_small_batch)  # type: ignore[arg-type]
+
+    def embed(self, tokens: torch.Tensor, is_audio: torch.Tensor) -> torch.Tensor:
+        """[N] -> [N, hidden]: text table for text rows, audio table for audio rows (static shapes)."""
+        zero = torch.zeros_like(tokens)
+        text = F.embedding(torch.where(is_audio, zero, tokens), self.weights.embed_text)  # [N, hidden]
+        audio = F.embedding(torch.where(is_audio, tokens, zero), self.weights.embed_audio)  # [N, hidden]
+        return torch.where(is_audio[:, None], audio, text)
+
+    def _layer(
+        self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer; returns (mlp output, residual before it): the layer output is their sum."""
+        cfg, ops = self.config, self.ops
+        n = x.shape[0]
+        h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
+        qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
+        k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
+        q = ops.qk_norm_rope_store(
+            qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
+            k_cache, v_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps,
+        )  # [N, H, D]
+        if step.max_query_len == 1:
+            attn = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
+        else:
+            attn = ops.prefill_attention(
+                q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, step.max_query_len
+            )
+        o = self._linear(attn.reshape(n, cfg.num_attention_heads * cfg.head_dim), layer.o)  # [N, hidden]
+        h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, cfg.rms_norm_eps)
+        down = self._linear(ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)  # [N, hidden]
+        return down, residual
+
+    def _tail(
+        self, layers: tuple[LayerWeights, ...], x: torch.Tensor, residual: torch.Tensor | None,
+        step: StepInputs, kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for layer in layers:
+            x, residual = self._layer(layer, x, residual, step, kv_cache)
+        return x, residual
+
+    def _head(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, head: object, step: StepInputs
+    ) -> torch.Tensor:
+        if step.max_query_len != 1:  # only each sequence's last row reaches the head
+            x = x.index_select(0, step.logits_indices)
+            residual = None if residual is None else residual.index_select(0, step.logits_indices)
+        h, _ = self.ops.add_rmsnorm(x, residual, norm, self.config.rms_norm_eps)  # [S, hidden]
+        return self._linear(h, head).float()
+
+    @torch.inference_mode()
+    def __call__(self, step: StepInputs, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.weights
+        x = self.embed(step.tokens, step.is_audio)  # [N, hidden]
+        x, residual = self._tail(w.shared, x, None, step, kv_cache)
+        text, text_res = self._tail(w.text, x, residual, step, kv_cache)
+        audio, audio_res = self._tail(w.audio, x, residual, step, kv_cache)
+        text_logits = self._head(text, text_res, w.text_norm, w.text_head, step)  # [S, Vt]
+        audio_logits = self._head(audio, audio_res, w.audio_norm, w.audio_head, step)  # [S, Va]
+        return text_logits, audio_logits
+
+
+def max_blocks_for(max_model_len: int, block_size: int) -> int:
+    """Block-table width that covers `max_model_len` positions."""
+    return math.ceil(max_model_len / block_size)

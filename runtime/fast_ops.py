@@ -1,0 +1,151 @@
+"""The fast path's per-layer operations, in two interchangeable backends.
+
+`TorchOps` is pure PyTorch (runs anywhere; it is what CPU tests exercise) and rounds exactly as the
+plain model (runtime/layers.py, runtime/attention.py). `TritonOps` calls the fused Triton kernels of
+runtime/kernels/ and reads the paged cache in place. Both take static-shape tensors only, so a step
+built from them can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import HAS_TRITON
+from runtime.layers import apply_rotary
+
+
+class TorchOps:
+    """Reference backend (CPU fallback)."""
+
+    name = "torch"
+
+    @staticmethod
+    def add_rmsnorm(
+        x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) * weight, x + residual); x, residual [N, C]."""
+        summed = x if residual is None else x + residual
+        xf = summed.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return weight * xf.to(summed.dtype), summed
+
+    @staticmethod
+    def qk_norm_rope_store(
+        qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
+        sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+    ) -> torch.Tensor:
+        """qkv [N, (H + 2KV) * D] -> q [N, H, D]; K/V stored at slot_mapping (slots < 0 skipped)."""
+        n, head_dim = qkv.shape[0], q_norm.shape[0]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+        cos, sin = cos_table[positions], sin_table[positions]  # [N, D]
+        q = apply_rotary(_rms(q.reshape(n, num_heads, head_dim), q_norm, eps), cos, sin)  # [N, H, D]
+        k = apply_rotary(_rms(k.reshape(n, num_kv_heads, head_dim), k_norm, eps), cos, sin)  # [N, KV, D]
+        v = v.reshape(n, num_kv_heads, head_dim)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KV, D]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, slots, k[keep].to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, v[keep].to(v_flat.dtype))
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [N, 2I] -> silu(gate) * up [N, I]."""
+        gate, up = gate_up.chunk(2, dim=1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def decode_attention(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        seq_lens: torch.Tensor, num_parts: int,
+    ) -> torch.Tensor:
+        """q [B, H, D], one row per sequence -> [B, H, D] (gathers keys; reference only)."""
+        block_size = k_cache.shape[1]
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        pos = torch.arange(block_tables.shape[1] * block_size, device=q.device)  # [Kmax]
+        slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, Kmax]
+        k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2).to(q.dtype)  # [B, KV, Kmax, D]
+        v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2).to(q.dtype)
+        mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, Kmax]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+        return out.squeeze(2)
+
+    @staticmethod
+    def prefill_attention(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int,
+    ) -> torch.Tensor:
+        """q [N, H, D] grouped by sequence -> [N, H, D], causal over earlier pages and the new rows."""
+        block_size = k_cache.shape[1]
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, kv_heads, head_dim)
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
+        out = torch.empty_like(q)
+        starts, lens = query_start.tolist(), seq_lens.tolist()
+        for s, seq_len in enumerate(lens):
+            lo, hi = starts[s], starts[s + 1]
+            pos = torch.arange(seq_len, device=q.device)
+            slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size  # [seq_len]
+            q_s = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+            k_s = k_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, K, D]
+            v_s = v_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
+            mask = pos[None, :] <= q_pos[:, None]  # [Q, K]
+            o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
+            out[lo:hi] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    @staticmethod
+    def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
+        return 1
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same math as RMSNorm.forward (runtime/layers.py), on a plain weight tensor."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class TritonOps:
+    """Fused Triton kernels (CUDA only)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("TritonOps needs triton (use TorchOps on this machine)")
+        from runtime.kernels import elementwise, paged_attention
+
+        self._ew = elementwise
+        self._pa = paged_attention
+        self.add_rmsnorm = elementwise.add_rmsnorm
+        self.qk_norm_rope_store = elementwise.qk_norm_rope_store
+        self.silu_mul = elementwise.silu_mul
+        self.prefill_attention = paged_attention.paged_prefill_attention
+        self.decode_num_parts = paged_attention.decode_num_parts
+
+    def decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        seq_lens: torch.Tensor, num_parts: int,
+    ) -> torch.Tensor:
+        return self._pa.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts=num_parts)
+
+
+def default_ops(device: torch.device | str) -> TorchOps | TritonOps:
+    """Triton kernels on CUDA when Triton is present, else the PyTorch reference ops."""
+    if torch.device(device).type == "cuda" and HAS_TRITON:
+        return TritonOps()
+    return TorchOps()
+
+
+def rope_tables(max_positions: int, head_dim: int, theta: float, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, D] computed exactly as layers.rotary_cos_sin does per step."""
+    from runtime.layers import rotary_cos_sin
+
+    positions = torch.arange(max_positions, device=device)
+    return rotary_cos_sin(positions, head_dim, theta, dtype)
+

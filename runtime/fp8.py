@@ -1,0 +1,80 @@
+"""FP8 (e4m3) weights with one float32 scale per output channel, computed at load time.
+
+`quantize_weight(w)` turns a bf16 [N, K] matrix into `Fp8Weight` (scale = max |w[n, :]| / 448). `linear`
+is the one matrix product the fast path calls: plain `F.linear` for bf16 weights; for FP8 weights on
+CUDA a Triton weight-only GEMV for <= 16 rows (runtime/kernels/fp8_gemv.py) or `torch._scaled_mm`
+with per-row dynamic activation scales for larger batches; elsewhere (CPU) the weight is dequantized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import HAS_TRITON
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+GEMV_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A quantized linear weight: `weight` [N, K] float8_e4m3fn, `scale` [N] float32 (w ~= weight * scale)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in `dtype` (for CPU fallback and drift checks)."""
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scale.numel() * 4
+
+
+Weight = torch.Tensor | Fp8Weight
+
+
+def quantize_weight(w: torch.Tensor, chunk_rows: int = 8192) -> Fp8Weight:
+    """Per-output-channel symmetric e4m3 quantization of w [N, K]; chunked so no full float32 copy exists."""
+    assert w.dim() == 2
+    q = torch.empty(w.shape, device=w.device, dtype=FP8_DTYPE)
+    scale = torch.empty(w.shape[0], device=w.device, dtype=torch.float32)
+    for start in range(0, w.shape[0], chunk_rows):
+        block = w[start : start + chunk_rows].float()  # [n, K]
+        s = block.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX  # [n]
+        q[start : start + chunk_rows] = (block / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start : start + chunk_rows] = s
+    return Fp8Weight(q, scale)
+
+
+def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """Dynamic per-row activation quantization + torch._scaled_mm (rowwise scales); rows padded to 16."""
+    rows = x.shape[0]
+    padded = -(-rows // 16) * 16
+    xf = x.float()
+    if padded != rows:
+        xf = F.pad(xf, (0, 0, 0, padded - rows))
+    sa = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
+    xq = (xf / sa).to(FP8_DTYPE)
+    out = torch._scaled_mm(xq, w.weight.t(), scale_a=sa, scale_b=w.scale[None, :], out_dtype=x.dtype)
+    return out[:rows]
+
+
+def linear(x: torch.Tensor, w: Weight, *, small_batch_kernel: str = "triton") -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, N]; `small_batch_kernel` ("triton" | "scaled_mm") picks the FP8 path for M <= 16."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    if x.device.type != "cuda":
+        return F.linear(x, w.dequantize(x.dtype))
+    if x.shape[0] <= GEMV_MAX_ROWS and small_batch_kernel == "triton" and HAS_TRITON:
+        from runtime.kernels.fp8_gemv import fp8_gemv
+
+        return fp8_gemv(x.contiguous(), w.weight, w.scale)
+    return _scaled_mm_linear(x, w)

@@ -1,0 +1,142 @@
+"""Fused elementwise Triton kernels of one decoder layer.
+
+Each kernel rounds exactly where the plain PyTorch layer rounds (runtime/layers.py), so on bf16 the
+fused results equal the eager ones bit for bit:
+- `add_rmsnorm`: residual add (rounded to the activation dtype), RMSNorm in float32, cast, times weight.
+- `qk_norm_rope_store`: per-head q/k RMSNorm, rotate-half RoPE from a cos/sin table, q out, and the new
+  K/V written straight into the paged cache at `slot_mapping` (slot < 0 = padding row, not written).
+- `silu_mul`: silu(gate) rounded, times up.
+Only imported when Triton is present (see runtime/kernels/__init__.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [N, C] -> (rmsnorm(x + residual) * weight [N, C], x + residual [N, C]).
+
+    With `residual=None` the sum is x itself (first layer), returned as is.
+    """
+    assert x.is_contiguous() and x.dim() == 2
+    n_rows, n_cols = x.shape
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(n_cols)
+    warps = 8 if block >= 4096 else 4
+    if residual is None:
+        _add_rmsnorm_kernel[(n_rows,)](x, x, weight, out, x, n_cols, eps, HAS_RES=False, BLOCK=block,
+                                       num_warps=warps)
+        return out, x
+    assert residual.is_contiguous() and residual.shape == x.shape
+    summed = torch.empty_like(x)
+    _add_rmsnorm_kernel[(n_rows,)](x, residual, weight, out, summed, n_cols, eps, HAS_RES=True, BLOCK=block,
+                                   num_warps=warps)
+    return out, summed
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    row_ptr = qkv_ptr + row * ((NUM_HEADS + 2 * NUM_KV) * HEAD_DIM) + head * HEAD_DIM
+    x = tl.load(row_ptr + d)
+    slot = tl.load(slot_ptr + row)
+    if head >= NUM_HEADS + NUM_KV:  # V: stored as is
+        if slot >= 0:
+            dst = v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_HEADS - NUM_KV) * HEAD_DIM + d
+            tl.store(dst, x.to(v_cache_ptr.dtype.element_ty))
+    else:
+        is_q = head < NUM_HEADS
+        partner = (d + half) % HEAD_DIM
+        w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d))
+        w_p = tl.where(is_q, tl.load(qw_ptr + partner), tl.load(kw_ptr + partner))
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / HEAD_DIM + eps)
+        y = (w.to(tl.float32) * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+        x_p = tl.load(row_ptr + partner).to(tl.float32)
+        y_p = (w_p.to(tl.float32) * (x_p * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+        rot = tl.where(d < half, -y_p.to(tl.float32), y_p.to(tl.float32))  # rotate_half(y)
+        pos = tl.load(pos_ptr + row)
+        cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+        a = (y.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        b = (rot * sin).to(x.dtype).to(tl.float32)
+        out = (a + b).to(x.dtype)
+        if is_q:
+            tl.store(q_out_ptr + row * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out)
+        elif slot >= 0:
+            dst = k_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_HEADS) * HEAD_DIM + d
+            tl.store(dst, out.to(k_cache_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
+    sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+) -> torch.Tensor:
+    """qkv [N, (H + 2KV) * D] -> q [N, H, D] (normed, rotated); K/V of the rows stored into the
+    layer's cache `k_cache`, `v_cache` ([num_blocks, block_size, KV, D]) at `slot_mapping` [N]."""
+    n_rows = qkv.shape[0]
+    head_dim = q_norm.shape[0]
+    assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    q = torch.empty(n_rows, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)  # [N, H, D]
+    grid = (n_rows, num_heads + 2 * num_kv_heads)
+    _qk_norm_rope_store_kernel[grid](
+        qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, eps,
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, num_warps=1,
+    )
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out_ptr + row * inter + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] (gate then up) -> silu(gate) * up [N, I]."""
+    assert gate_up.is_contiguous()
+    n_rows, two_inter = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty(n_rows, inter, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul_kernel[(n_rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out

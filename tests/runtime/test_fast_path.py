@@ -1,0 +1,152 @@
+"""The fast path (fused weights, fused ops, graph-runner padding) computes what the plain model does.
+
+Runs on CPU with the PyTorch ops backend; the Triton kernels and CUDA graphs are checked against the
+same references on the GPU by bench/gpu_check.py.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.attention import AttentionMetadata
+from runtime.config import MODALITY_PAD_ID, ModelConfig, Row
+from runtime.cuda_graph import DecodeGraphRunner
+from runtime.fast_forward import FastForward, StepInputs
+from runtime.fast_ops import TorchOps
+from runtime.fp8 import FP8_MAX, Fp8Weight, quantize_weight
+from runtime.fused import fuse_model_weights, with_fp8
+from runtime.kv_cache import KVCache, allocate_kv_cache
+from runtime.model import MossSpeechForCausalLM, build_model, split_rows
+
+BLOCK_SIZE = 4
+CONFIG = ModelConfig.preset("tiny").replace(num_shared_layers=2, num_modality_layers=2)
+
+
+def make_rows(length: int, seed: int) -> list[Row]:
+    rng = random.Random(seed)
+    return [
+        (MODALITY_PAD_ID, rng.randrange(16384)) if rng.random() < 0.5 else (rng.randrange(151643), 512)
+        for _ in range(length)
+    ]
+
+
+@pytest.fixture(scope="module")
+def model() -> MossSpeechForCausalLM:
+    return build_model(CONFIG, seed=0)
+
+
+def test_fusion_keeps_names_values_and_memory(model: MossSpeechForCausalLM) -> None:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = fuse_model_weights(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    attn = model.model.shared_block.layers[1].self_attn
+    qkv = weights.shared[1].qkv
+    assert isinstance(qkv, torch.Tensor) and qkv.shape == (4 * 16 + 2 * 2 * 16, 64)
+    # the q/k/v parameters are views of the fused buffer: one storage, no copy
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    assert attn.v_proj.weight.data_ptr() == qkv[4 * 16 + 2 * 16 :].data_ptr()
+    # fusing again is free and returns the same buffers
+    again = fuse_model_weights(model)
+    assert again.shared[1].qkv.data_ptr() == qkv.data_ptr()
+    assert again.text[0].gate_up.data_ptr() == weights.text[0].gate_up.data_ptr()
+
+
+def _plain_step(model: MossSpeechForCausalLM, cache: KVCache, work: list[tuple[list[Row], int, list[int]]]):
+    new_rows = [r for rows, n, _ in work for r in rows[len(rows) - n :]]
+    tokens, is_audio = split_rows(new_rows)
+    attn = AttentionMetadata.build([n for _, n, _ in work], [len(r) for r, _, _ in work],
+                                   [t for _, _, t in work], BLOCK_SIZE, "cpu")
+    return tokens, is_audio, attn.positions("cpu"), attn
+
+
+def test_fast_step_matches_plain_step_prefill_chunk_and_decode(model: MossSpeechForCausalLM) -> None:
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    plain_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
+    fast_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
+    a, b = make_rows(11, 1), make_rows(6, 2)
+    table_a, table_b = [7, 3, 12, 5], [20, 9]
+    steps = [
+        [(a[:7], 7, table_a), (b[:5], 5, table_b)],  # prefill of two prompts
+        [(a, 4, table_a), (b[:6], 1, table_b)],  # chunked prefill over earlier pages + a decode row
+        [(a + b[:1], 1, table_a), (b + a[:1], 1, table_b)],  # pure decode
+    ]
+    for work in steps:
+        tokens, is_audio, positions, attn = _plain_step(model, plain_cache, work)
+        want_t, want_a = model(tokens, is_audio, positions, plain_cache, attn)
+        got_t, got_a = fast(StepInputs.from_metadata(tokens, is_audio, positions, attn), fast_cache)
+        assert got_t.shape == want_t.shape == (2, CONFIG.vocab_size) and got_t.dtype == torch.float32
+        torch.testing.assert_close(got_t, want_t, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got_a, want_a, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fast_cache.k, plain_cache.k, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fast_cache.v, plain_cache.v, atol=1e-6, rtol=1e-5)
+
+
+def _greedy(step_fn, prompt: list[Row], steps: int) -> list[Row]:
+    rows = list(prompt)
+    text, audio = step_fn(rows, len(rows))
+    for i in range(steps):
+        a = int(audio[0].argmax())
+        rows.append((MODALITY_PAD_ID, a) if i % 2 == 0 else (int(text[0].argmax()), a))
+        text, audio = step_fn(rows, 1)
+    return rows[len(prompt) :]
+
+
+def test_graph_runner_greedy_tokens_equal_plain_path(model: MossSpeechForCausalLM) -> None:
+    """Greedy decode through the padded decode runner (bucket 4 for 1 sequence) == the plain model."""
+    prompt, table = make_rows(9, 5), [4, 1, 6, 2, 8, 3]
+    plain_cache = allocate_kv_cache(CONFIG, 10, BLOCK_SIZE, "cpu", torch.float32)
+    fast_cache = allocate_kv_cache(CONFIG, 10, BLOCK_SIZE, "cpu", torch.float32)
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    runner = DecodeGraphRunner(fast, fast_cache, max_model_len=24, buckets=(4, 8))
+    assert not runner.use_graphs and runner.bucket_for(1) == 4 and runner.bucket_for(5) == 8
+
+    def plain(rows: list[Row], n: int):
+        tokens, is_audio, positions, attn = _plain_step(model, plain_cache, [(rows, n, table)])
+        return model(tokens, is_audio, positions, plain_cache, attn)
+
+    def fast_step(rows: list[Row], n: int):
+        tokens, is_audio, positions, attn = _plain_step(model, fast_cache, [(rows, n, table)])
+        if n > 1:
+            return fast(StepInputs.from_metadata(tokens, is_audio, positions, attn), fast_cache)
+        text, audio = runner.run(tokens, is_audio, positions, attn.slot_mapping,
+                                 torch.tensor([table[: attn.seq_lens[0] // BLOCK_SIZE + 1]], dtype=torch.int32),
+                                 torch.tensor(attn.seq_lens, dtype=torch.int32))
+        assert text.shape == (1, CONFIG.vocab_size) and audio.shape == (1, CONFIG.audio_vocab_size)
+        return text, audio
+
+    want = _greedy(plain, prompt, 12)
+    got = _greedy(fast_step, prompt, 12)
+    assert got == want
+    assert len(got) == 12 and all(r[0] == MODALITY_PAD_ID for r in got[::2])
+    # padding rows (slot -1, reading block 0) never wrote into the cache: blocks outside the table stay 0
+    for unused in (0, 5, 7, 9):
+        assert not fast_cache.k[:, unused].any() and not fast_cache.v[:, unused].any()
+    torch.testing.assert_close(fast_cache.k, plain_cache.k, atol=1e-5, rtol=1e-4)
+
+
+def test_quantize_weight_per_channel() -> None:
+    w = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.001, 0.002, -0.004, 0.003]])
+    q = quantize_weight(w)
+    assert isinstance(q, Fp8Weight) and q.weight.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(q.scale, torch.tensor([2.0 / FP8_MAX, 0.004 / FP8_MAX]))
+    assert float(q.weight.float().abs().amax(dim=1).min()) == FP8_MAX  # each row uses the full range
+    torch.testing.assert_close(q.dequantize(torch.float32), w, atol=0.0, rtol=0.07)
+
+
+def test_fp8_scopes_and_bytes(model: MossSpeechForCausalLM) -> None:
+    weights = fuse_model_weights(model)
+    shared_only = with_fp8(weights, "shared")
+    assert isinstance(shared_only.shared[0].down, Fp8Weight) and isinstance(shared_only.text[0].down, torch.Tensor)
+    every = with_fp8(weights, "all")
+    assert isinstance(every.text_head, Fp8Weight) and isinstance(every.audio[1].qkv, Fp8Weight)
+    # float32 tiny: 4 bytes -> 1 byte per element plus a float32 scale per output row
+    rows = sum(w.shape[0] for layer in (*weights.shared, *weights.text, *weights.audio)
+               for w in layer.matrices().values()) + CONFIG.vocab_size + CONFIG.audio_vocab_size
+    assert every.matrix_bytes() == weights.matrix_bytes() // 4 + 4 * rows
+    with pytest.raises(ValueError, match="fp8 scope"):
+        with_fp8(weights, "heads")
