@@ -54,10 +54,12 @@ class Timing:
 
     @property
     def median_ms(self) -> float:
+        """Median repetition time."""
         return statistics.median(self.samples_ms)
 
     @property
     def p90_ms(self) -> float:
+        """90th percentile (nearest rank) repetition time."""
         ordered = sorted(self.samples_ms)
         return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
@@ -92,6 +94,7 @@ class BlockPool:
         self.next_block = 0
 
     def table(self, num_positions: int) -> list[int]:
+        """A fresh block table covering `num_positions`."""
         needed = math.ceil(num_positions / self.cache.block_size)
         if self.next_block + needed > self.cache.num_blocks:
             raise BenchError(f"KV cache too small: need {self.next_block + needed} blocks")
@@ -188,16 +191,19 @@ def prefill_flops(config: ModelConfig, prompt_len: int) -> float:
 
 
 def device_name(device: torch.device) -> str:
+    """Human-readable device name for the JSON line."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 def peak_gbps(name: str) -> float | None:
+    """Known peak memory bandwidth of the named device, None when unknown."""
     return next((v for k, v in PEAK_GBPS.items() if k in name), None)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
     p.add_argument("--random-weights", action="store_true", help="required for full: no checkpoint is read")
@@ -219,6 +225,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> dict:
+    """Build, verify, time; print and return the JSON result."""
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -9,6 +9,7 @@ import torch
 from runtime.attention import AttentionMetadata
 from runtime.config import MODALITY_PAD_ID, ModelConfig, Row
 from runtime.kv_cache import KVCache, allocate_kv_cache
+from runtime.layers import apply_rotary, rotary_cos_sin
 from runtime.model import ModelCheckError, MossSpeechForCausalLM, build_model, split_rows
 
 BLOCK_SIZE = 4
@@ -80,7 +81,14 @@ def test_prompt_in_one_chunk(model: MossSpeechForCausalLM) -> None:
     rows = make_rows(23, seed=1)
     cache, pool, table = noisy_cache(16), Pool(16, seed=1), []
     pool.grow(table, len(rows))
+    noise_k = cache.k.clone()
     text, audio = step(model, cache, [(rows, len(rows), table)])
+    # Every layer instance (shared, text tail, audio tail) wrote K at exactly the sequence's 23 slots.
+    changed = (cache.k != noise_k).any(dim=-1).any(dim=-1).flatten(1)  # [L, num_slots]
+    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(rows))]
+    assert changed.shape[0] == CONFIG.num_layer_instances == 6
+    for layer in range(CONFIG.num_layer_instances):
+        assert changed[layer].nonzero().flatten().tolist() == sorted(slots)
     assert text.shape == (1, CONFIG.vocab_size) and audio.shape == (1, CONFIG.audio_vocab_size)
     assert text.dtype == torch.float32 and audio.dtype == torch.float32
     assert_matches_reference(model, rows, text[0], audio[0])
@@ -175,6 +183,22 @@ def test_rope_theta_comes_from_config() -> None:
     b_text, _ = b.reference_forward(rows)
     assert torch.equal(a_text[0], b_text[0])  # position 0: rotation by angle 0 for any theta
     assert not torch.allclose(a_text[1:], b_text[1:], atol=1e-4)
+
+
+def test_rotary_frequencies_use_theta() -> None:
+    cos, sin = rotary_cos_sin(torch.tensor([0, 1, 3]), head_dim=4, theta=100.0, dtype=torch.float32)
+    inv_freq = torch.tensor([1.0, 0.1])  # 1 / 100 ** (0/4), 1 / 100 ** (2/4)
+    angles = torch.tensor([0.0, 1.0, 3.0])[:, None] * inv_freq  # [3, 2]
+    torch.testing.assert_close(cos, torch.cat([angles.cos(), angles.cos()], dim=1))
+    torch.testing.assert_close(sin, torch.cat([angles.sin(), angles.sin()], dim=1))
+    # rotate_half convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) per frequency pair.
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]]).expand(3, 1, 4)  # [N, heads, D]
+    out = apply_rotary(x, cos, sin)
+    a = angles[2]
+    expected = torch.tensor([1 * a[0].cos() - 3 * a[0].sin(), 2 * a[1].cos() - 4 * a[1].sin(),
+                             3 * a[0].cos() + 1 * a[0].sin(), 4 * a[1].cos() + 2 * a[1].sin()])
+    torch.testing.assert_close(out[2, 0], expected)
+    torch.testing.assert_close(out[0, 0], x[0, 0])
 
 
 def test_weights_are_deterministic_per_seed() -> None:
