@@ -1,0 +1,334 @@
+"""HTTP load generator for `POST /v1/audio/speech` (streamed raw PCM or WAV), closed or open loop.
+
+    python bench/client.py --concurrency 1,8,64 --requests 64 --max-new-tokens 100 --fixed-length
+    python bench/client.py --rate 4 --duration 60 --max-new-tokens 100 --fixed-length
+
+Closed loop: at each concurrency level, `c` workers send requests back to back until `--requests` have
+finished. Open loop: requests arrive as a Poisson process of `--rate` per second for `--duration` s, no
+matter how many are still in flight. `--warmup` requests run first at every level and are not counted.
+Per request see `bench/measure.py`; the script prints ONE JSON summary and writes a PNG (`--plot`).
+Traffic stays on loopback unless `--allow-remote` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import shlex
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.measure import (  # the repo root is on sys.path now
+    BYTES_PER_SAMPLE,
+    SAMPLE_RATE,
+    AudioTimeline,
+    RequestResult,
+    plot_levels,
+    summarize,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+SPEECH_PATH = "/v1/audio/speech"
+REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
+FILLER = "The quick brown fox jumps over the lazy dog while the band plays on. "
+
+
+class WavFormatError(ValueError):
+    """The response does not start with a 24 kHz mono PCM16 WAV header."""
+
+
+class AudioStream:
+    """Turns response bytes into PCM16 sample counts: strips and checks a WAV header, keeps odd bytes."""
+
+    def __init__(self, response_format: str) -> None:
+        self._in_header = response_format == "wav"
+        self._head = b""
+        self._carry = 0  # bytes of an incomplete sample
+        self.header: dict[str, int] = {}
+
+    def feed(self, data: bytes) -> int:
+        """Complete samples that `data` adds (0 while the WAV header is still arriving)."""
+        if self._in_header:
+            self._head += data
+            data = self._parse_header()
+            if self._in_header:
+                return 0
+        total = self._carry + len(data)
+        self._carry = total % BYTES_PER_SAMPLE
+        return total // BYTES_PER_SAMPLE
+
+    def _parse_header(self) -> bytes:
+        """Consume RIFF/WAVE chunks up to `data`; return the audio bytes after it (b"" if incomplete)."""
+        head = self._head
+        if len(head) < 12:
+            return b""
+        if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            raise WavFormatError(f"not a RIFF/WAVE stream: {head[:12]!r}")
+        pos = 12
+        while len(head) >= pos + 8:
+            chunk_id, size = head[pos:pos + 4], struct.unpack("<I", head[pos + 4:pos + 8])[0]
+            if chunk_id == b"data":
+                self._check_format()
+                self._in_header = False
+                self.header["data_size"] = size
+                return head[pos + 8:]
+            if len(head) < pos + 8 + size + (size & 1):
+                return b""
+            if chunk_id == b"fmt ":
+                fmt, channels, rate, _, _, bits = struct.unpack("<HHIIHH", head[pos + 8:pos + 24])
+                self.header.update(audio_format=fmt, channels=channels, sample_rate=rate, bits=bits)
+            pos += 8 + size + (size & 1)  # chunks are padded to even sizes
+        return b""
+
+    def _check_format(self) -> None:
+        expected = {"audio_format": 1, "channels": 1, "sample_rate": SAMPLE_RATE, "bits": 16}
+        got = {k: self.header.get(k) for k in expected}
+        if got != expected:
+            raise WavFormatError(f"WAV format {got}, expected {expected}")
+
+
+@dataclass
+class SpeechLoad:
+    """What every request of a run asks for (OpenAI speech fields plus ours)."""
+
+    url: str = DEFAULT_URL
+    model: str = "moss-speech"
+    input: str = "Hello there, this is a streaming speech benchmark."
+    voice: str = "default"
+    response_format: str = "pcm"  # pcm | wav
+    max_new_tokens: int | None = 64
+    min_new_tokens: int | None = None
+    seed: int | None = 0
+    temperature: float | None = None
+    timeout_s: float = 600.0
+    server_summary: bool = False  # GET /admin/requests/{id} after each request (codes, prompt tokens)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def payload(self) -> dict[str, Any]:
+        """The JSON body of one request."""
+        body: dict[str, Any] = {"model": self.model, "input": self.input, "voice": self.voice,
+                                "response_format": self.response_format, "stream_format": "audio"}
+        for key in ("max_new_tokens", "min_new_tokens", "seed", "temperature"):
+            if getattr(self, key) is not None:
+                body[key] = getattr(self, key)
+        return {**body, **self.extra}
+
+
+def check_url(url: str, allow_remote: bool = False) -> str:
+    """`url` without a trailing slash; ValueError for a non-loopback host unless `allow_remote`."""
+    parsed = httpx.URL(url)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--url must be http(s)://host[:port], got {url!r}")
+    if not allow_remote and not _is_loopback(parsed.host):
+        raise ValueError(f"refusing to send load to {parsed.host!r}: not a loopback address "
+                         f"(pass --allow-remote to override)")
+    return url.rstrip("/")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def prompt_text(num_prompt_tokens: int) -> str:
+    """Input text whose speech prompt is exactly `num_prompt_tokens` rows with the presets' byte-level
+    tokenizer (system read-aloud prompt + chat template + this text). Needs `runtime` and `deployments`."""
+    from deployments.validation import READ_ALOUD_PROMPT
+    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.tiny()
+
+    def rows(text: str) -> int:
+        return len(build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT),
+                                                 ChatMessage("user", text)], output_modality="audio"))
+
+    num_chars = num_prompt_tokens - rows("")  # one byte-level token per ASCII character
+    if num_chars < 1:
+        raise ValueError(f"the fixed speech prompt alone takes {rows('')} tokens; ask for more")
+    text = (FILLER * (num_chars // len(FILLER) + 1))[:num_chars]
+    assert rows(text) == num_prompt_tokens
+    return text
+
+
+async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestResult:
+    """Send one request and time its audio as it arrives; never raises for HTTP or network failures."""
+    result = RequestResult()
+    started = time.perf_counter()
+    timeline = AudioTimeline(started, result)
+    audio = AudioStream(load.response_format)
+    try:
+        async with client.stream("POST", load.url + SPEECH_PATH, json=load.payload(),
+                                 timeout=httpx.Timeout(load.timeout_s, connect=10.0)) as response:
+            result.status = response.status_code
+            result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
+                                      if h in response.headers), None)
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+            else:
+                async for data in response.aiter_raw():
+                    timeline.add(time.perf_counter(), audio.feed(data))
+        timeline.finish(time.perf_counter())
+        if result.status == 200 and load.server_summary and result.request_id:
+            await _add_server_summary(client, load, result)
+    except (httpx.HTTPError, WavFormatError) as exc:
+        timeline.finish(time.perf_counter())
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, result: RequestResult) -> None:
+    response = await client.get(f"{load.url}/admin/requests/{result.request_id}", timeout=30.0)
+    if response.status_code != 200:
+        result.error = f"no server summary for {result.request_id}: HTTP {response.status_code}"
+        return
+    summary = response.json()
+    result.num_audio_codes = summary.get("num_audio_codes")
+    result.num_prompt_tokens = summary.get("num_prompt_tokens")
+    if summary.get("status") != 200:  # raw audio can only stop short when the server fails mid-way
+        result.error = f"server ended the stream with status {summary.get('status')}"
+
+
+async def run_closed_loop(client: httpx.AsyncClient, load: SpeechLoad, concurrency: int,
+                          num_requests: int) -> tuple[list[RequestResult], float]:
+    """`concurrency` workers send `num_requests` requests back to back -> (results, wall seconds)."""
+    remaining = iter(range(num_requests))
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        for _ in remaining:  # a shared iterator: each index is taken by exactly one worker
+            results.append(await run_request(client, load))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
+    return results, time.perf_counter() - started
+
+
+async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float, duration_s: float,
+                        seed: int = 0) -> tuple[list[RequestResult], float]:
+    """Poisson arrivals at `rate`/s for `duration_s` s; waits for all -> (results, wall seconds)."""
+    rng = np.random.default_rng(seed)
+    arrivals: list[float] = []
+    at = float(rng.exponential(1.0 / rate))
+    while at < duration_s:
+        arrivals.append(at)
+        at += float(rng.exponential(1.0 / rate))
+    started = time.perf_counter()
+
+    async def send_at(offset: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+        return await run_request(client, load)
+
+    results = await asyncio.gather(*(send_at(offset) for offset in arrivals))
+    return list(results), time.perf_counter() - started
+
+
+async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_requests: int | None,
+                        warmup: int, rate: float | None = None, duration_s: float = 0.0,
+                        seed: int = 0) -> list[dict[str, Any]]:
+    """Every level (closed loop) or the one open-loop run, each after its warm-up -> level summaries."""
+    most = max([*concurrency_levels, warmup, 1]) + 16
+    limits = httpx.Limits(max_connections=None if rate else most, max_keepalive_connections=most)
+    levels: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(limits=limits) as client:
+        if rate is not None:
+            if warmup:
+                await run_closed_loop(client, load, warmup, warmup)
+            results, wall_s = await run_open_loop(client, load, rate, duration_s, seed)
+            levels.append(summarize(results, wall_s, rate_per_s=rate, duration_s=duration_s))
+            return levels
+        for concurrency in concurrency_levels:
+            if warmup:
+                await run_closed_loop(client, load, concurrency, warmup)
+            count = num_requests if num_requests is not None else max(8, 2 * concurrency)
+            results, wall_s = await run_closed_loop(client, load, concurrency, count)
+            levels.append(summarize(results, wall_s, concurrency=concurrency))
+    return levels
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=DEFAULT_URL, help="server base URL (loopback unless --allow-remote)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback host")
+    p.add_argument("--concurrency", default="1,8,64", help="closed-loop levels, comma separated")
+    p.add_argument("--requests", type=int, default=None,
+                   help="measured requests per level (default max(8, 2 x concurrency))")
+    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    p.add_argument("--duration", type=float, default=30.0, help="open loop: seconds of arrivals")
+    p.add_argument("--warmup", type=int, default=2, help="uncounted requests before each level")
+    p.add_argument("--model", default="moss-speech")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--input", default=None, help="text to speak")
+    text.add_argument("--prompt-tokens", type=int, default=None,
+                      help="pick input text so the prompt is exactly this many tokens (preset tokenizer)")
+    p.add_argument("--voice", default="default")
+    p.add_argument("--response-format", choices=("pcm", "wav"), default="pcm")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--fixed-length", action="store_true",
+                   help="min_new_tokens = max_new_tokens: every request yields the same number of codes")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0, help="request seed and open-loop arrival seed")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--server-summary", action="store_true",
+                   help="read each request's code and prompt-token counts from GET /admin/requests/{id}")
+    p.add_argument("--out", default=None, help="also write the JSON summary to this file")
+    p.add_argument("--plot", default=None, help="PNG of TTFA / chunk gap p50 and p99 per level")
+    p.add_argument("--label", default="", help="free text stored in the summary (hardware, config)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print one JSON line, write --out / --plot; returns the summary."""
+    args = parse_args(argv)
+    url = check_url(args.url, args.allow_remote)
+    levels_asked = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if args.rate is None and (not levels_asked or min(levels_asked) < 1):
+        raise SystemExit("--concurrency needs levels >= 1")
+    text = prompt_text(args.prompt_tokens) if args.prompt_tokens else (args.input or SpeechLoad.input)
+    load = SpeechLoad(url=url, model=args.model, input=text, voice=args.voice,
+                      response_format=args.response_format, max_new_tokens=args.max_new_tokens,
+                      min_new_tokens=args.max_new_tokens if args.fixed_length else None, seed=args.seed,
+                      temperature=args.temperature, timeout_s=args.timeout,
+                      server_summary=args.server_summary)
+    levels = asyncio.run(run_benchmark(
+        load, concurrency_levels=levels_asked, num_requests=args.requests, warmup=args.warmup,
+        rate=args.rate, duration_s=args.duration, seed=args.seed))
+    request = {k: v for k, v in asdict(load).items() if k not in ("input", "extra", "url")}
+    request.update(input_chars=len(text), input_head=text[:48], prompt_tokens_asked=args.prompt_tokens)
+    summary = {
+        "benchmark": "http_speech",
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
+        "argv": sys.argv if argv is None else argv,
+        "url": url, "label": args.label, "mode": "open" if args.rate is not None else "closed",
+        "concurrency_levels": [] if args.rate is not None else levels_asked,
+        "warmup_per_level": args.warmup, "request": request, "levels": levels,
+    }
+    if args.plot:
+        x_key = "rate_per_s" if args.rate is not None else "concurrency"
+        plot_levels(levels, args.plot, x_key=x_key, title=f"{summary['label']} {summary['command']}"[:160])
+        summary["plot"] = args.plot
+    line = json.dumps(summary)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""What the load benchmarks measure per request, and how a run of requests is summarized.
+
+Shared by `bench/client.py` (through HTTP) and `bench/pipeline.py` (in process, no Ray), so both print
+the same JSON fields and the difference between them is serving overhead.
+
+Per request (`RequestResult`): time to first audio (first non-empty audio bytes), the gaps between
+audio chunks as they arrived, end-to-end time, audio seconds, real-time factor (generation time /
+audio duration) and the buffer underruns of a listener who starts playback on the first audio byte.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SAMPLE_RATE = 24000  # PCM16 mono, as every response format of the server carries
+BYTES_PER_SAMPLE = 2
+PERCENTILES = (50, 90, 99)
+
+
+class PlaybackClock:
+    """A player that starts on the first audio, plays at `sample_rate`, and stalls when its buffer is empty.
+
+    An underrun happens when a chunk arrives after the buffered audio ran out: the player has been
+    silent for (arrival - run-out time), and resumes with the new chunk. The end of the stream is not
+    an underrun.
+    """
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
+        self.sample_rate = sample_rate
+        self.num_underruns = 0
+        self.stall_s = 0.0
+        self._runs_out_at: float | None = None  # when the buffered audio will have been played
+
+    def add(self, now: float, num_samples: int) -> None:
+        """Audio of `num_samples` samples arrived at time `now` (seconds, any fixed origin)."""
+        if num_samples <= 0:
+            return
+        duration = num_samples / self.sample_rate
+        if self._runs_out_at is None:  # playback starts with the first audio
+            self._runs_out_at = now + duration
+        elif now > self._runs_out_at:
+            self.num_underruns += 1
+            self.stall_s += now - self._runs_out_at
+            self._runs_out_at = now + duration
+        else:
+            self._runs_out_at += duration
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; times are seconds from the moment the request was sent."""
+
+    status: int | None = None  # HTTP status (200 in process); None when no response came
+    error: str | None = None  # why the request failed, None when it succeeded
+    request_id: str | None = None
+    ttfa_s: float | None = None
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    num_samples: int = 0
+    num_chunks: int = 0
+    num_underruns: int = 0
+    stall_s: float = 0.0
+    num_audio_codes: int | None = None  # as the server (or the engine) reported it, when known
+    num_prompt_tokens: int | None = None
+
+    @property
+    def is_ok(self) -> bool:
+        """Succeeded: status 200, no error, some audio."""
+        return self.status == 200 and self.error is None and self.num_samples > 0
+
+    @property
+    def audio_s(self) -> float:
+        """Seconds of audio received."""
+        return self.num_samples / SAMPLE_RATE
+
+    @property
+    def rtf(self) -> float | None:
+        """Real-time factor: generation time (request sent -> last audio) / audio duration."""
+        return self.e2e_s / self.audio_s if self.num_samples else None
+
+
+class AudioTimeline:
+    """Records audio arrivals of one request: TTFA, chunk gaps and the playback clock."""
+
+    def __init__(self, started: float, result: RequestResult) -> None:
+        self.started = started
+        self.result = result
+        self.clock = PlaybackClock()
+        self._last_at: float | None = None
+
+    def add(self, now: float, num_samples: int) -> None:
+        """`num_samples` samples of audio arrived at `now` (same clock as `started`)."""
+        if num_samples <= 0:
+            return
+        result = self.result
+        if self._last_at is None:
+            result.ttfa_s = now - self.started
+        else:
+            result.chunk_gaps_s.append(now - self._last_at)
+        self._last_at = now
+        result.num_chunks += 1
+        result.num_samples += num_samples
+        self.clock.add(now, num_samples)
+
+    def finish(self, now: float) -> None:
+        """The response ended at `now`."""
+        self.result.e2e_s = now - self.started
+        self.result.num_underruns = self.clock.num_underruns
+        self.result.stall_s = self.clock.stall_s
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
+    """p50/p90/p99 (linear interpolation), mean, max and count of `values` (None when empty)."""
+    if not values:
+        return {"count": 0, "p50": None, "p90": None, "p99": None, "mean": None, "max": None}
+    array = np.asarray(values, dtype=np.float64)
+    out: dict[str, float | int | None] = {"count": int(array.size)}
+    for q in PERCENTILES:
+        out[f"p{q}"] = float(np.percentile(array, q))
+    out["mean"] = float(array.mean())
+    out["max"] = float(array.max())
+    return out
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> dict[str, Any]:
+    """One level (concurrency or rate) of a run as a JSON-able dict; failed requests only count."""
+    ok = [r for r in results if r.is_ok]
+    errors = Counter(_error_key(r) for r in results if not r.is_ok)
+    audio_s = sum(r.audio_s for r in ok)
+    codes = sorted({r.num_audio_codes for r in ok if r.num_audio_codes is not None})
+    prompts = sorted({r.num_prompt_tokens for r in ok if r.num_prompt_tokens is not None})
+    return {
+        **extra,
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "errors": dict(sorted(errors.items())),
+        "wall_s": wall_s,
+        "audio_s_total": audio_s,
+        "audio_s_per_wall_s": audio_s / wall_s if wall_s > 0 else None,
+        "ttfa_s": percentiles([r.ttfa_s for r in ok if r.ttfa_s is not None]),
+        "chunk_gap_s": percentiles([gap for r in ok for gap in r.chunk_gaps_s]),
+        "e2e_s": percentiles([r.e2e_s for r in ok]),
+        "rtf": percentiles([r.rtf for r in ok if r.rtf is not None]),
+        "audio_s_per_request": percentiles([r.audio_s for r in ok]),
+        "chunks_per_request": percentiles([float(r.num_chunks) for r in ok]),
+        "underruns": {
+            "total": sum(r.num_underruns for r in ok),
+            "requests_with_underrun": sum(1 for r in ok if r.num_underruns),
+            "stall_s_total": sum(r.stall_s for r in ok),
+            "stall_s_per_request": percentiles([r.stall_s for r in ok]),
+        },
+        "num_audio_codes_seen": codes,
+        "num_prompt_tokens_seen": prompts,
+    }
+
+
+def _error_key(result: RequestResult) -> str:
+    if result.status is None:
+        return f"no_response:{(result.error or 'unknown').split(':')[0]}"
+    if result.status == 200:
+        return "200_incomplete"
+    return str(result.status)
+
+
+def plot_levels(levels: Sequence[dict[str, Any]], path: str, *, x_key: str = "concurrency",
+                title: str = "") -> None:
+    """PNG: TTFA and chunk-gap p50/p99 (ms) against concurrency (or arrival rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [level[x_key] for level in levels]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, name in ((axes[0], "ttfa_s", "time to first audio"), (axes[1], "chunk_gap_s", "chunk gap")):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [_ms(level[key][q]) for level in levels]
+            ax.plot(xs, ys, style, label=f"{q}")
+        ax.set_xlabel(x_key.replace("_", " "))
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(name)
+        if len(xs) > 1 and min(xs) > 0 and max(xs) / min(xs) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ms(value: float | None) -> float:
+    return math.nan if value is None else value * 1000.0

@@ -1,0 +1,132 @@
+"""bench/client.py: exact playback-clock and WAV-parsing behaviour, and a small closed-loop run against
+the running tiny service whose counts must match what the server reports and exports."""
+from __future__ import annotations
+
+import asyncio
+import struct
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import serve_harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.client import (
+    AudioStream,
+    SpeechLoad,
+    WavFormatError,
+    check_url,
+    prompt_text,
+    run_closed_loop,
+)
+from bench.measure import PlaybackClock, summarize
+from deployments.framing import wav_header
+
+APP = {"application": serve_harness.APP_NAME}
+CODES = 10  # max_new_tokens == min_new_tokens: every request yields exactly this many codes
+PROMPT_TOKENS = 170
+
+
+def test_playback_clock_counts_each_stall_once_with_its_length() -> None:
+    clock = PlaybackClock(sample_rate=4)  # 2 samples = 0.5 s (binary-exact times)
+    for now, samples in ((0.0, 2), (0.25, 2), (1.5, 2), (2.0, 2), (3.5, 2), (3.75, 0)):
+        clock.add(now, samples)
+    # runs out at 1.0; 1.5 stalls 0.5 -> runs out 2.0; 2.0 is just in time -> 2.5; 3.5 stalls 1.0
+    assert (clock.num_underruns, clock.stall_s) == (2, 1.5)
+
+
+def test_audio_stream_strips_a_wav_header_split_across_reads_and_keeps_odd_bytes() -> None:
+    stream = AudioStream("wav")
+    data = wav_header(24000) + bytes(range(11))  # 5 samples and one odd byte
+    counts = [stream.feed(data[i:i + 7]) for i in range(0, len(data), 7)]
+    assert sum(counts) == 5 and counts[:6] == [0] * 6  # nothing before the 44-byte header is complete
+    assert stream.feed(b"\x00") == 1
+    assert stream.header == {"audio_format": 1, "channels": 1, "sample_rate": 24000, "bits": 16,
+                             "data_size": 0xFFFFFFFF}
+
+
+def test_audio_stream_skips_chunks_before_data_and_rejects_other_formats() -> None:
+    header = wav_header(24000)
+    list_chunk = b"LIST" + struct.pack("<I", 3) + b"abc\x00"  # odd size: padded to even
+    stream = AudioStream("wav")
+    assert stream.feed(header[:36] + list_chunk + header[36:] + b"\x01\x02\x03\x04") == 2
+    with pytest.raises(WavFormatError, match="sample_rate"):
+        AudioStream("wav").feed(wav_header(16000))
+    with pytest.raises(WavFormatError, match="RIFF"):
+        AudioStream("wav").feed(b"\x00" * 44)
+    assert AudioStream("pcm").feed(b"\x00" * 7) == 3
+
+
+def test_check_url_refuses_non_loopback_hosts_unless_allowed() -> None:
+    assert check_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert check_url("http://[::1]:8000") == "http://[::1]:8000"
+    assert check_url("http://localhost:8000") == "http://localhost:8000"
+    for url in ("http://10.1.2.3:8000", "http://example.com", "http://0.0.0.0:8000"):
+        with pytest.raises(ValueError, match="not a loopback address"):
+            check_url(url)
+    assert check_url("http://10.1.2.3:8000", allow_remote=True) == "http://10.1.2.3:8000"
+
+
+def _counters() -> dict[str, float]:
+    text = serve_harness.scrape_metrics()
+    value = serve_harness.metric_value
+    return {
+        "requests": value(text, "ray_moss_requests_total", {**APP, "route": "speech", "status": "200"}),
+        "audio_s": value(text, "ray_moss_audio_seconds_total", APP),
+        "ttfa_count": value(text, "ray_moss_time_to_first_audio_seconds_count", APP),
+        "rtf_count": value(text, "ray_moss_realtime_factor_count", APP),
+    }
+
+
+def _settled(predicate: object = None, settle_s: float = 2.5, timeout_s: float = 60.0) -> dict[str, float]:
+    """Counters once `predicate(counters)` holds (if given) and nothing changed for `settle_s`."""
+    deadline = time.monotonic() + timeout_s
+    values, since = _counters(), time.monotonic()
+    while time.monotonic() - since < settle_s or (callable(predicate) and not predicate(values)):
+        assert time.monotonic() < deadline, f"metrics never settled: {values}"
+        time.sleep(0.5)
+        now = _counters()
+        if now != values:
+            values, since = now, time.monotonic()
+    return values
+
+
+async def _run(load: SpeechLoad, concurrency: int, num_requests: int) -> list:
+    async with httpx.AsyncClient() as client:
+        results, _ = await run_closed_loop(client, load, concurrency, num_requests)
+    return results
+
+
+def test_client_counts_match_the_servers_reports_and_metrics(serve_base_url: str) -> None:
+    before = _settled()
+    common = {"url": check_url(serve_base_url), "input": prompt_text(PROMPT_TOKENS),
+              "max_new_tokens": CODES, "min_new_tokens": CODES, "seed": 3, "timeout_s": 120.0,
+              "server_summary": True}
+    results = asyncio.run(_run(SpeechLoad(response_format="wav", **common), 2, 4))
+    results += asyncio.run(_run(SpeechLoad(response_format="pcm", **common), 2, 2))
+
+    assert [(r.status, r.error) for r in results] == [(200, None)] * 6
+    assert len({r.request_id for r in results}) == 6
+    for r in results:
+        assert (r.num_audio_codes, r.num_prompt_tokens) == (CODES, PROMPT_TOKENS)
+        assert r.num_samples == r.num_audio_codes * 1920  # audio seconds == codes * 0.08
+        assert r.audio_s == pytest.approx(CODES * 0.08, rel=1e-12)
+        assert r.num_chunks >= 1 and len(r.chunk_gaps_s) == r.num_chunks - 1
+        assert 0 < r.ttfa_s <= r.e2e_s and r.rtf == r.e2e_s / r.audio_s
+
+    after = _settled(lambda v: v["requests"] >= before["requests"] + 6)
+    assert after["requests"] - before["requests"] == 6
+    assert after["ttfa_count"] - before["ttfa_count"] == 6
+    assert after["rtf_count"] - before["rtf_count"] == 6
+    client_samples = sum(r.num_samples for r in results)
+    assert round((after["audio_s"] - before["audio_s"]) * 24000) == client_samples == 6 * CODES * 1920
+
+    summary = summarize(results, wall_s=1.0, concurrency=2)
+    assert (summary["num_requests"], summary["num_ok"], summary["errors"]) == (6, 6, {})
+    assert summary["num_audio_codes_seen"] == [CODES] and summary["num_prompt_tokens_seen"] == [PROMPT_TOKENS]
+    assert summary["ttfa_s"]["count"] == 6
+    assert summary["chunk_gap_s"]["count"] == sum(r.num_chunks - 1 for r in results)
+    assert summary["audio_s_total"] == pytest.approx(6 * CODES * 0.08, rel=1e-12)
