@@ -71,7 +71,7 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Validate one step's layout and precompute the slot and mask tensors every layer reuses."""
         _validate(query_lens, seq_lens, block_tables, block_size)
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []
         chunks: list[ChunkPlan] = []
         decode_rows: list[int] = []
         decode_lens: list[int] = []
@@ -81,21 +81,21 @@ class AttentionMetadata:
             table = block_tables[i][: math.ceil(seq_len / block_size)]
             if query_len == 1:
                 last = seq_len - 1
-                slots.append(torch.tensor([table[last // block_size] * block_size + last % block_size]))
+                slots.append(table[last // block_size] * block_size + last % block_size)
                 decode_rows.append(row)
                 decode_lens.append(seq_len)
                 decode_tables.append(table)
             else:
                 pos = torch.arange(seq_len)  # [seq_len]
                 key_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size  # [seq_len]
-                slots.append(key_slots[seq_len - query_len :])
+                slots.extend(key_slots[seq_len - query_len :].tolist())
                 mask = None
                 if query_len != seq_len:
                     q_pos = torch.arange(seq_len - query_len, seq_len)  # [query_len]
                     mask = (pos[None, :] <= q_pos[:, None]).to(device)  # [query_len, seq_len]
                 chunks.append(ChunkPlan(row, query_len, key_slots.to(device), mask))
             row += query_len
-        slot_mapping = torch.cat(slots).to(device)  # [N]
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)  # [N]
         logits_indices = (torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1).to(device)  # [S]
         meta = cls(
             query_lens=list(query_lens),
