@@ -120,6 +120,19 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     return min(num_blocks, useful)
 
 
+def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
+    """A preset with random weights (deterministic in `weights_seed`, byte-level tokenizer) or a checkpoint."""
+    if config.model in _PRESETS:
+        model = build_model(
+            ModelConfig.preset(config.model), seed=config.weights_seed, device=config.device,
+            dtype=config.torch_dtype, debug_checks=config.debug_checks,
+        )
+        return model, Tokenizer.tiny()
+    from runtime.weights import load_pretrained
+
+    return load_pretrained(config.model, device=config.device, dtype=config.torch_dtype, debug_checks=config.debug_checks)
+
+
 class EngineCore:
     """Synchronous engine: owns scheduler, block manager, model runner and per-request output state."""
 
@@ -142,6 +155,11 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_cache)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        """Build model and tokenizer as `load_model` does."""
+        return cls(*load_model(config), config)
 
     def add_request(self, request: GenerationRequest) -> Sequence:
         """Validate and queue `request`; raises InvalidRequestError / ContextLengthExceededError /
@@ -280,20 +298,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         """Build from a preset (random weights, deterministic in `weights_seed`) or a checkpoint folder."""
-        if config.model in _PRESETS:
-            model_config = ModelConfig.preset(config.model)
-            model = build_model(
-                model_config, seed=config.weights_seed, device=config.device, dtype=config.torch_dtype,
-                debug_checks=config.debug_checks,
-            )
-            tokenizer = Tokenizer.tiny()
-        else:
-            from runtime.weights import load_pretrained
-
-            model, tokenizer = load_pretrained(
-                config.model, device=config.device, dtype=config.torch_dtype, debug_checks=config.debug_checks
-            )
-        return cls(model, tokenizer, config)
+        return cls(*load_model(config), config)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Stream `request`'s events, ending with `Finished`; typed errors come from the first `__anext__`.
