@@ -7,6 +7,8 @@ built from them can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -114,7 +116,8 @@ class TritonOps:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, fallback: Iterable[str] = ()) -> None:
+        """`fallback`: op names (e.g. "decode_attention") to run with the PyTorch op instead."""
         if not HAS_TRITON:
             raise RuntimeError("TritonOps needs triton (use TorchOps on this machine)")
         from runtime.kernels import elementwise, paged_attention
@@ -126,6 +129,9 @@ class TritonOps:
         self.silu_mul = elementwise.silu_mul
         self.prefill_attention = paged_attention.paged_prefill_attention
         self.decode_num_parts = paged_attention.decode_num_parts
+        self.fallback = sorted(fallback)
+        for name in self.fallback:
+            setattr(self, name, getattr(TorchOps, name))
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

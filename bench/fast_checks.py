@@ -1,0 +1,171 @@
+"""GPU checks of the fast path's Triton kernels against the PyTorch reference ops (runtime/fast_ops.py).
+
+Every check draws fresh random inputs (never zeros), runs both backends and reports the largest
+difference; `run_kernel_checks` returns one dict per kernel with `ok`. Used by bench/fast_bench.py
+before anything is timed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.fast_ops import TorchOps, TritonOps, rope_tables
+from runtime.fp8 import linear, quantize_weight
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.float(), b.float()
+    return {
+        "max_abs_diff": float((a - b).abs().max()),
+        "rel_l2": float((a - b).norm() / b.norm().clamp(min=1e-30)),
+        "exact_fraction": float((a == b).float().mean()),
+        "finite": bool(torch.isfinite(a).all()),
+    }
+
+
+def _cache(blocks: int, block_size: int, kv: int, dim: int, device: torch.device, gen: torch.Generator):
+    k = torch.randn(blocks, block_size, kv, dim, device=device, generator=gen).to(torch.bfloat16)
+    v = torch.randn(blocks, block_size, kv, dim, device=device, generator=gen).to(torch.bfloat16)
+    return k, v
+
+
+# op name of the fast path each check covers (a failed check switches that op to its fallback)
+CHECK_OPS = {"add_rmsnorm": "add_rmsnorm", "qk_norm_rope_store": "qk_norm_rope_store", "silu_mul": "silu_mul",
+             "decode_attention": "decode_attention", "prefill_attention": "prefill_attention",
+             "fp8_triton": "fp8_gemv"}
+
+
+def failed_ops(checks: list[dict]) -> set[str]:
+    """Fast-path ops whose check failed or raised."""
+    return {op for c in checks if not c["ok"] for prefix, op in CHECK_OPS.items() if c["kernel"].startswith(prefix)}
+
+
+def run_kernel_checks(device: torch.device, **shape: int) -> list[dict]:
+    """Every check, each guarded: an exception becomes a failed entry with its message."""
+    out: list[dict] = []
+    for check in (_check_norms, _check_qk_rope, _check_silu, _check_decode, _check_prefill, _check_fp8):
+        try:
+            out.extend(check(device, **shape))
+        except Exception as exc:  # noqa: BLE001 - reported, and the op falls back to PyTorch
+            out.append({"kernel": check.__name__.removeprefix("_check_"), "ok": False,
+                        "error": f"{type(exc).__name__}: {str(exc)[:1500]}"})
+    for c in out:  # map guarded failures onto op names
+        if c["kernel"] == "norms":
+            c["kernel"] = "add_rmsnorm"
+        elif c["kernel"] == "qk_rope":
+            c["kernel"] = "qk_norm_rope_store"
+        elif c["kernel"] in ("decode", "prefill"):
+            c["kernel"] += "_attention"
+        elif c["kernel"] == "fp8":
+            c["kernel"] = "fp8_triton"
+        elif c["kernel"] == "silu":
+            c["kernel"] = "silu_mul"
+    return out
+
+
+def _setup(device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(1234)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(torch.bfloat16)
+
+    return TorchOps(), TritonOps(), gen, randn
+
+
+def _check_norms(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]:
+    ref, fast, _, randn = _setup(device)
+    out: list[dict] = []
+
+    # add + RMSNorm (with and without residual): elementwise, must round like eager
+    x, res, w = randn(7, hidden), randn(7, hidden), randn(hidden, scale=0.2) + 1
+    for has_res in (False, True):
+        (a, ra), (b, rb) = fast.add_rmsnorm(x, res if has_res else None, w, 1e-6), ref.add_rmsnorm(
+            x, res if has_res else None, w, 1e-6)
+        d = _diff(a, b)
+        out.append({"kernel": f"add_rmsnorm(residual={has_res})", **d, "ok": d["rel_l2"] < 1e-2 and d["finite"]
+                    and bool(torch.equal(ra, rb))})
+
+    return out
+
+
+def _check_qk_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
+    ref, fast, gen, randn = _setup(device)
+    bf16 = torch.bfloat16
+    out: list[dict] = []
+    n, block_size, blocks = 6, 16, 40
+    qkv = randn(n, (heads + 2 * kv) * dim)
+    qn, kn = randn(dim, scale=0.2) + 1, randn(dim, scale=0.2) + 1
+    cos, sin = rope_tables(4096, dim, 1e6, bf16, device)
+    pos = torch.randint(0, 4096, (n,), device=device, generator=gen)
+    slots = torch.randperm(blocks * block_size, device=device, generator=gen)[:n]
+    slots[2] = -1
+    kc_a, vc_a = _cache(blocks, block_size, kv, dim, device, gen)
+    kc_b, vc_b = kc_a.clone(), vc_a.clone()
+    qa = fast.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, slots, kc_a, vc_a, heads, kv, 1e-6)
+    qb = ref.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, slots, kc_b, vc_b, heads, kv, 1e-6)
+    dq, dk, dv = _diff(qa, qb), _diff(kc_a, kc_b), _diff(vc_a, vc_b)
+    out.append({"kernel": "qk_norm_rope_store", "q": dq, "k_cache": dk, "v_cache": dv,
+                "ok": dq["rel_l2"] < 1e-2 and dk["rel_l2"] < 1e-2 and dv["max_abs_diff"] == 0.0})
+
+    return out
+
+
+def _check_silu(device: torch.device, inter: int = 12288, **_: int) -> list[dict]:
+    ref, fast, _, randn = _setup(device)
+    out: list[dict] = []
+    gu = randn(5, 2 * inter)
+    d = _diff(fast.silu_mul(gu), ref.silu_mul(gu))
+    out.append({"kernel": "silu_mul", **d, "ok": d["rel_l2"] < 1e-2})
+
+    return out
+
+
+def _check_decode(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
+    ref, fast, gen, randn = _setup(device)
+    out: list[dict] = []
+    blocks, block_size = 200, 16
+    kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
+    seq_lens_list = [1, 37, 600, 257]
+    width = math.ceil(max(seq_lens_list) / block_size)
+    perm = torch.randperm(blocks, device=device, generator=gen)
+    tables = perm[: len(seq_lens_list) * width].view(len(seq_lens_list), width).to(torch.int32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    q = randn(len(seq_lens_list), heads, dim)
+    want = ref.decode_attention(q, kc, vc, tables, seq_lens, 1)
+    for parts in (1, 4):
+        d = _diff(fast.decode_attention(q, kc, vc, tables, seq_lens, parts), want)
+        out.append({"kernel": f"decode_attention(parts={parts})", **d, "ok": d["rel_l2"] < 2e-2 and d["finite"]})
+
+    return out
+
+
+def _check_prefill(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
+    ref, fast, gen, randn = _setup(device)
+    blocks, block_size, width = 200, 16, 38
+    kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
+    perm = torch.randperm(blocks, device=device, generator=gen)
+    out: list[dict] = []
+    q_lens, s_lens = [70, 5, 130], [70, 55, 300]
+    tables = perm[: 3 * width].view(3, width).to(torch.int32)
+    qs = torch.tensor([0, 70, 75, 205], dtype=torch.int32, device=device)
+    q = randn(sum(q_lens), heads, dim)
+    s_t = torch.tensor(s_lens, dtype=torch.int32, device=device)
+    d = _diff(fast.prefill_attention(q, kc, vc, tables, s_t, qs, max(q_lens)),
+              ref.prefill_attention(q, kc, vc, tables, s_t, qs, max(q_lens)))
+    out.append({"kernel": "prefill_attention", **d, "ok": d["rel_l2"] < 2e-2 and d["finite"]})
+
+    return out
+
+
+def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]:
+    _, _, _, randn = _setup(device)
+    out: list[dict] = []
+    w8 = quantize_weight(randn(6144, hidden, scale=0.02))
+    for rows in (1, 5):
+        xx = randn(rows, hidden)
+        want = xx.float() @ w8.dequantize(torch.float32).T
+        for kernel in ("triton", "scaled_mm"):
+            d = _diff(linear(xx, w8, small_batch_kernel=kernel), want)
+            out.append({"kernel": f"fp8_{kernel}(M={rows})", **d, "ok": d["rel_l2"] < 5e-2 and d["finite"]})
+    return out
