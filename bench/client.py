@@ -34,13 +34,13 @@ from bench.measure import (  # the repo root is on sys.path now
     AudioTimeline,
     RequestResult,
     plot_levels,
+    speech_prompt_text,
     summarize,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPEECH_PATH = "/v1/audio/speech"
 REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
-FILLER = "The quick brown fox jumps over the lazy dog while the band plays on. "
 
 
 class WavFormatError(ValueError):
@@ -145,24 +145,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def prompt_text(num_prompt_tokens: int) -> str:
-    """Input text whose speech prompt is exactly `num_prompt_tokens` rows with the presets' byte-level
-    tokenizer (system read-aloud prompt + chat template + this text). Needs `runtime` and `deployments`."""
-    from deployments.validation import READ_ALOUD_PROMPT
-    from runtime.prompts import ChatMessage, build_prompt_rows
-    from runtime.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.tiny()
-
-    def rows(text: str) -> int:
-        return len(build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT),
-                                                 ChatMessage("user", text)], output_modality="audio"))
-
-    num_chars = num_prompt_tokens - rows("")  # one byte-level token per ASCII character
-    if num_chars < 1:
-        raise ValueError(f"the fixed speech prompt alone takes {rows('')} tokens; ask for more")
-    text = (FILLER * (num_chars // len(FILLER) + 1))[:num_chars]
-    assert rows(text) == num_prompt_tokens
-    return text
+    """Input text giving a prompt of exactly `num_prompt_tokens` (see `bench.measure.speech_prompt_text`)."""
+    return speech_prompt_text(num_prompt_tokens)
 
 
 async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestResult:

@@ -20,6 +20,7 @@ import numpy as np
 SAMPLE_RATE = 24000  # PCM16 mono, as every response format of the server carries
 BYTES_PER_SAMPLE = 2
 PERCENTILES = (50, 90, 99)
+FILLER = "The quick brown fox jumps over the lazy dog while the band plays on. "
 
 
 class PlaybackClock:
@@ -67,6 +68,7 @@ class RequestResult:
     stall_s: float = 0.0
     num_audio_codes: int | None = None  # as the server (or the engine) reported it, when known
     num_prompt_tokens: int | None = None
+    first_codes_s: float | None = None  # in process only: when the engine's first codes came out
 
     @property
     def is_ok(self) -> bool:
@@ -143,6 +145,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
         "audio_s_total": audio_s,
         "audio_s_per_wall_s": audio_s / wall_s if wall_s > 0 else None,
         "ttfa_s": percentiles([r.ttfa_s for r in ok if r.ttfa_s is not None]),
+        "first_codes_s": percentiles([r.first_codes_s for r in ok if r.first_codes_s is not None]),
         "chunk_gap_s": percentiles([gap for r in ok for gap in r.chunk_gaps_s]),
         "e2e_s": percentiles([r.e2e_s for r in ok]),
         "rtf": percentiles([r.rtf for r in ok if r.rtf is not None]),
@@ -165,6 +168,27 @@ def _error_key(result: RequestResult) -> str:
     if result.status == 200:
         return "200_incomplete"
     return str(result.status)
+
+
+def speech_prompt_text(num_prompt_tokens: int) -> str:
+    """Input text whose speech prompt is exactly `num_prompt_tokens` rows with the presets' byte-level
+    tokenizer (the ingress's read-aloud system prompt + chat template + this text)."""
+    from deployments.validation import READ_ALOUD_PROMPT
+    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.tiny()
+
+    def rows(text: str) -> int:
+        return len(build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT),
+                                                 ChatMessage("user", text)], output_modality="audio"))
+
+    num_chars = num_prompt_tokens - rows("")  # one byte-level token per ASCII character
+    if num_chars < 1:
+        raise ValueError(f"the fixed speech prompt alone takes {rows('')} tokens; ask for more")
+    text = (FILLER * (num_chars // len(FILLER) + 1))[:num_chars]
+    assert rows(text) == num_prompt_tokens
+    return text
 
 
 def plot_levels(levels: Sequence[dict[str, Any]], path: str, *, x_key: str = "concurrency",
@@ -198,3 +222,24 @@ def plot_levels(levels: Sequence[dict[str, Any]], path: str, *, x_key: str = "co
 
 def _ms(value: float | None) -> float:
     return math.nan if value is None else value * 1000.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python bench/measure.py SUMMARY.json OUT.png`: redraw the plot of a saved client/pipeline summary
+    (for machines without matplotlib: run the benchmark there, plot here)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("summary", help="JSON written by bench/client.py or bench/pipeline.py")
+    parser.add_argument("png")
+    args = parser.parse_args(argv)
+    with open(args.summary) as f:
+        summary = json.loads(f.read())
+    x_key = "rate_per_s" if summary.get("mode") == "open" else "concurrency"
+    plot_levels(summary["levels"], args.png, x_key=x_key,
+                title=f"{summary.get('label', '')} {summary.get('command', '')}"[:160])
+
+
+if __name__ == "__main__":
+    main()

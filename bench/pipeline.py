@@ -1,0 +1,256 @@
+"""The speech workload in process: `runtime.Engine` -> `VocoderBatcher(StreamingVocoder)`, no Ray, no HTTP.
+
+    python bench/pipeline.py --preset tiny --device cpu --concurrency 1,4 --max-new-tokens 24
+    python bench/pipeline.py --preset full --random-weights --device cuda --concurrency 1,8,64 \
+        --prompt-tokens 512 --max-new-tokens 100 --config config/serve-h200.yaml
+
+Each request: the read-aloud prompt (same rows the ingress builds), codes from `Engine.generate` pushed
+into the same `VocoderBatcher` the vocoder deployment uses (one `StreamingVocoder.step` per round), PCM
+timed as it comes out. Prints ONE JSON summary with the fields of `bench/client.py` (see
+`bench/measure.py`) plus `first_codes_s` (engine-only time to the first codes), so engine time can be
+told apart from serving overhead. `--config` takes engine/vocoder settings from a Serve YAML.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.measure import (  # the repo root is on sys.path now
+    AudioTimeline,
+    RequestResult,
+    plot_levels,
+    speech_prompt_text,
+    summarize,
+)
+from deployments.batcher import END, VocoderBatcher  # pure asyncio: no Ray import
+
+_ids = itertools.count()
+
+
+class Pipeline:
+    """One engine and one batched vocoder, driven the way the deployments drive them."""
+
+    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int) -> None:
+        from vocoder.config import SAMPLE_RATE
+
+        self.engine = engine
+        self.vocoder = vocoder
+        self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE)
+
+    def request(self, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
+                temperature: float | None) -> Any:
+        """A GenerationRequest with the ingress's read-aloud prompt."""
+        from deployments.validation import READ_ALOUD_PROMPT
+        from runtime.prompts import ChatMessage, build_prompt_rows
+        from runtime.request import GenerationRequest
+        from runtime.sampling import SamplingParams
+
+        rows = build_prompt_rows(self.engine.tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT),
+                                                         ChatMessage("user", text)], output_modality="audio")
+        audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
+        return GenerationRequest(request_id=f"bench-{next(_ids)}", prompt_rows=tuple(rows),
+                                 audio_sampling=audio, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=min_new_tokens, seed=seed)
+
+    async def run_request(self, request: Any) -> RequestResult:
+        """Generate and vocode one request; engine refusals become a failed result."""
+        from runtime.errors import EngineOverloadedError, InvalidRequestError
+        from runtime.request import AudioCodes, Finished
+
+        result = RequestResult(request_id=request.request_id)
+        started = time.perf_counter()
+        timeline = AudioTimeline(started, result)
+        stream = await self.batcher.open("default", request.seed or 0)
+        finished: list[Finished] = []
+
+        async def read_engine() -> None:
+            try:
+                async for event in self.engine.generate(request):
+                    if isinstance(event, AudioCodes):
+                        if result.first_codes_s is None:
+                            result.first_codes_s = time.perf_counter() - started
+                        self.batcher.push(stream, event.codes)
+                    elif isinstance(event, Finished):
+                        finished.append(event)
+            finally:
+                self.batcher.end(stream)
+
+        reader = asyncio.get_running_loop().create_task(read_engine())
+        while (item := await stream.out.get()) is not END:
+            timeline.add(time.perf_counter(), len(item))
+        timeline.finish(time.perf_counter())
+        try:
+            await reader
+        except InvalidRequestError as exc:
+            result.status, result.error = 400, f"{type(exc).__name__}: {exc}"
+            return result
+        except EngineOverloadedError as exc:
+            result.status, result.error = 503, f"{type(exc).__name__}: {exc}"
+            return result
+        end = finished[0]
+        result.status = 200 if end.reason in ("stop", "length") else 500
+        result.error = None if result.status == 200 else f"finished with {end.reason}: {end.error}"
+        result.num_audio_codes, result.num_prompt_tokens = end.num_audio_codes, end.num_prompt_tokens
+        return result
+
+    async def closed_loop(self, make_request: Any, concurrency: int,
+                          num_requests: int) -> tuple[list[RequestResult], float]:
+        """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds)."""
+        remaining = iter(range(num_requests))
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            for _ in remaining:
+                results.append(await self.run_request(make_request()))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
+        return results, time.perf_counter() - started
+
+
+def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine kwargs, vocoder settings) from a Serve YAML's first application `args` (empty without one)."""
+    if path is None:
+        return {}, {}
+    import yaml
+
+    with open(path) as f:
+        args = yaml.safe_load(f)["applications"][0].get("args", {})
+    vocoder = {k.removeprefix("vocoder_"): v for k, v in args.items()
+               if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
+                        "vocoder_max_batch_size")}
+    return dict(args.get("engine", {})), vocoder
+
+
+def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
+    """Engine + vocoder from the config file, then the command-line overrides -> (pipeline, settings)."""
+    from runtime.engine import Engine, EngineConfig
+    from vocoder import StreamingVocoder
+
+    engine_kwargs, vocoder_kwargs = settings_from_config(args.config)
+    if args.checkpoint:
+        engine_kwargs["model"] = args.checkpoint
+    elif args.preset:
+        engine_kwargs["model"] = args.preset
+    overrides = {"device": args.device, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes,
+                 "max_num_running": args.max_num_running, "max_model_len": args.max_model_len}
+    engine_kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    engine_kwargs.setdefault("model", "tiny")
+    if engine_kwargs["model"] == "full" and not args.random_weights:
+        raise SystemExit("the 'full' preset has random weights: pass --random-weights to say you mean it")
+    vocoder_kwargs.setdefault("preset", "full" if engine_kwargs["model"] != "tiny" else "tiny")
+    vocoder_kwargs.setdefault("device", engine_kwargs.get("device", "cpu"))
+    if args.vocoder_preset:
+        vocoder_kwargs["preset"] = args.vocoder_preset
+    if args.device is not None:
+        vocoder_kwargs["device"] = args.device
+    max_batch = vocoder_kwargs.pop("max_batch_size", 32)
+    loaded = time.perf_counter()
+    engine = Engine.from_config(EngineConfig(**engine_kwargs))
+    vocoder = StreamingVocoder.from_preset(vocoder_kwargs["preset"], device=vocoder_kwargs["device"],
+                                           dtype=vocoder_kwargs.get("dtype"), seed=vocoder_kwargs.get("seed", 0))
+    settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch},
+                "build_s": time.perf_counter() - loaded}
+    return Pipeline(engine, vocoder, max_batch), settings
+
+
+async def run(args: argparse.Namespace, levels: list[int], text: str) -> tuple[list[dict[str, Any]], dict]:
+    """Build, then warm up and measure every concurrency level -> (level summaries, settings)."""
+    pipeline, settings = build(args)
+    min_new = args.max_new_tokens if args.fixed_length else 0
+
+    def make_request() -> Any:
+        return pipeline.request(text, max_new_tokens=args.max_new_tokens, min_new_tokens=min_new,
+                                seed=args.seed, temperature=args.temperature)
+
+    out: list[dict[str, Any]] = []
+    try:
+        for concurrency in levels:
+            if args.warmup:
+                await pipeline.closed_loop(make_request, concurrency, args.warmup)
+            count = args.requests if args.requests is not None else max(8, 2 * concurrency)
+            results, wall_s = await pipeline.closed_loop(make_request, concurrency, count)
+            stats = pipeline.engine.stats()
+            out.append(summarize(results, wall_s, concurrency=concurrency,
+                                 engine_preemptions=stats.num_preemptions,
+                                 vocoder_steps=pipeline.batcher.num_steps))
+    finally:
+        await pipeline.batcher.shutdown()
+        await pipeline.engine.shutdown()
+    return out, settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="Serve YAML to take engine/vocoder settings from")
+    p.add_argument("--preset", choices=("tiny", "full"), default=None)
+    p.add_argument("--random-weights", action="store_true", help="required with --preset full")
+    p.add_argument("--checkpoint", default=None, help="checkpoint folder instead of a preset")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--vocoder-preset", choices=("tiny", "full"), default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--max-num-running", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--requests", type=int, default=None, help="per level (default max(8, 2 x concurrency))")
+    p.add_argument("--warmup", type=int, default=2)
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--input", default="Hello there, this is a streaming speech benchmark.")
+    text.add_argument("--prompt-tokens", type=int, default=None, help="prompt of exactly this many tokens")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--fixed-length", action="store_true", help="min_new_tokens = max_new_tokens")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--label", default="")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run, print one JSON line, write --out / --plot; returns the summary."""
+    args = parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    text = speech_prompt_text(args.prompt_tokens) if args.prompt_tokens else args.input
+    results, settings = asyncio.run(run(args, levels, text))
+    summary: dict[str, Any] = {
+        "benchmark": "inprocess_speech",
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
+        "label": args.label, "mode": "closed", "concurrency_levels": levels, "warmup_per_level": args.warmup,
+        "request": {"input_chars": len(text), "prompt_tokens_asked": args.prompt_tokens,
+                    "max_new_tokens": args.max_new_tokens, "fixed_length": args.fixed_length,
+                    "seed": args.seed, "temperature": args.temperature},
+        "settings": settings, **_device_info(settings["engine"].get("device", "cpu")), "levels": results,
+    }
+    if args.plot:
+        plot_levels(results, args.plot, title=f"{args.label} {summary['command']}"[:160])
+        summary["plot"] = args.plot
+    line = json.dumps(summary)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return summary
+
+
+def _device_info(device: str) -> dict[str, Any]:
+    import torch
+
+    if not device.startswith("cuda"):
+        return {"device_name": "cpu", "torch": torch.__version__}
+    return {"device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "max_memory_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+if __name__ == "__main__":
+    main()
