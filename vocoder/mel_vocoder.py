@@ -81,7 +81,10 @@ def build_generator(
         has_weight_norm = any(k.endswith("weight_g") for k in state)
         if not has_weight_norm:
             _quiet_remove_weight_norm(model)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # shape mismatch
+            raise ValueError(f"BigVGAN checkpoint {path} does not match the config: {exc}") from None
         if missing or unexpected:
             raise ValueError(
                 f"BigVGAN checkpoint {path} does not match the config: missing {sorted(missing)[:5]}, "

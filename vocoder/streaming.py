@@ -95,7 +95,12 @@ class StreamingVocoder:
 
             if Path(flow_checkpoint).suffix != ".safetensors":
                 raise ValueError(f"flow checkpoint must be .safetensors, got {flow_checkpoint}")
-            flow.load_state_dict(load_file(str(flow_checkpoint)), strict=True)
+            try:
+                flow.load_state_dict(load_file(str(flow_checkpoint)), strict=True)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"flow checkpoint {flow_checkpoint} does not match the config: {exc}"
+                ) from None
         generator = build_generator(cfg.bigvgan, checkpoint=bigvgan_checkpoint, seed=seed)
         voices = VoiceLibrary(voices_dir if voices_dir is not None else DEFAULT_VOICES_DIR)
         return cls(cfg, flow, generator, voices, device=device, dtype=torch_dtype)

@@ -32,7 +32,9 @@ def reference(vocoder: StreamingVocoder, codes: list[int]) -> np.ndarray:
     return vocoder.decode_whole("default", codes, seed=SEED)
 
 
-def stream(vocoder: StreamingVocoder, codes: list[int], schedule: list[int], seed: int = SEED) -> list[np.ndarray]:
+def stream(
+    vocoder: StreamingVocoder, codes: list[int], schedule: list[int], seed: int = SEED
+) -> list[np.ndarray]:
     session = vocoder.open("default", seed=seed)
     chunks, i = [], 0
     for n in schedule:
@@ -64,3 +66,149 @@ def test_streamed_equals_whole(
     assert all(c.dtype == np.float32 for c in chunks)
     assert len(pcm) == SAMPLES_PER_CODE * NUM_CODES
     assert float(np.abs(pcm - reference).max()) < TOLERANCE
+
+
+def test_chunk_sizes_follow_the_schedule(vocoder: StreamingVocoder, codes: list[int]) -> None:
+    # tiny: 12 prompt codes (frames 0..47), BigVGAN right context 16 frames, first chunk >= 2 codes
+    # (8 frames), later chunks >= 8 codes (32 frames). After k codes pushed one by one, final mel ends at
+    # 4 * (12 + k - 3) and PCM is final up to frame 4 * (9 + k) - 16 = 4k + 20. First chunk at k = 9
+    # (frames 48..56), the next at k = 17 (56..88), finish flushes frames 88..144.
+    assert (vocoder.left_context, vocoder.right_context) == (16, 16)
+    chunks = stream(vocoder, codes, [1] * NUM_CODES)
+    sizes = {i + 1: len(c) for i, c in enumerate(chunks) if len(c)}
+    assert sizes == {9: 8 * 480, 17: 32 * 480, NUM_CODES + 1: 56 * 480}
+
+
+def test_step_batches_sessions_without_changing_their_audio(
+    vocoder: StreamingVocoder, codes: list[int], reference: np.ndarray
+) -> None:
+    other_codes = np.random.default_rng(1).integers(0, 16384, 17).tolist()
+    other_ref = vocoder.decode_whole("default", other_codes, seed=99)
+    alone = stream(vocoder, codes, [5] * 4 + [4])
+
+    batch_sizes: list[int] = []
+    hook = vocoder.generator.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
+    a = vocoder.open("default", seed=SEED)
+    b = vocoder.open("default", seed=99)
+    idle = vocoder.open("default", seed=3)  # in every step, never gets codes
+    out_a, out_b = [], []
+    schedule_b = [1, 7, 0, 2, 3, 4]
+    for i, n_b in enumerate(schedule_b):
+        work = [(idle, []), (b, other_codes[sum(schedule_b[:i]) : sum(schedule_b[: i + 1])])]
+        if i < 5:
+            work.insert(1, (a, codes[5 * i : 5 * i + (5 if i < 4 else 4)]))
+        pcm = vocoder.step(work)
+        assert len(pcm) == len(work) and len(pcm[0]) == 0
+        if i < 5:
+            out_a.append(pcm[1])
+        out_b.append(pcm[-1])
+    tails = vocoder.finish_many([a, b, idle])
+    out_a.append(tails[0])
+    out_b.append(tails[1])
+    assert len(tails[2]) == 0
+    hook.remove()
+    assert max(batch_sizes) >= 2  # a and b really shared BigVGAN forwards
+
+    # Same chunking as alone -> same chunk lengths; batch neighbours change nothing beyond rounding.
+    assert [len(c) for c in out_a] == [len(c) for c in alone]
+    for mine, solo in zip(out_a, alone):
+        assert float(np.abs(mine - solo).max(initial=0.0)) < TOLERANCE
+    assert float(np.abs(np.concatenate(out_a) - reference).max()) < TOLERANCE
+    pcm_b = np.concatenate(out_b)
+    assert len(pcm_b) == 17 * SAMPLES_PER_CODE
+    assert float(np.abs(pcm_b - other_ref).max()) < TOLERANCE
+
+
+def test_no_seams_at_chunk_boundaries(
+    vocoder: StreamingVocoder, codes: list[int], reference: np.ndarray
+) -> None:
+    chunks = stream(vocoder, codes, [2] * 12)
+    pcm = np.concatenate(chunks)
+    bounds = np.cumsum([len(c) for c in chunks if len(c)])[:-1]
+    assert len(bounds) >= 2
+    jumps = np.abs(np.diff(pcm))
+    inside = np.delete(jumps, bounds - 1)
+    assert float(jumps[bounds - 1].max()) <= float(inside.max())
+    assert np.allclose(jumps[bounds - 1], np.abs(np.diff(reference))[bounds - 1], atol=2 * TOLERANCE)
+
+
+def test_seed_and_voice_change_the_audio(
+    vocoder: StreamingVocoder, codes: list[int], reference: np.ndarray
+) -> None:
+    from vocoder.make_default_voice import make_voice
+
+    other_seed = vocoder.decode_whole("default", codes, seed=SEED + 1)
+    assert float(np.abs(other_seed - reference).max()) > 100 * TOLERANCE
+    if "short" not in vocoder.voices.names():
+        vocoder.voices.add(make_voice("short", seed=5, num_prompt_codes=2))  # prompt shorter than lookahead
+    short_ref = vocoder.decode_whole("short", codes, seed=SEED)
+    assert float(np.abs(short_ref - reference).max()) > 100 * TOLERANCE
+    session = vocoder.open("short", seed=SEED)
+    pcm = np.concatenate(
+        [vocoder.push(session, codes[:10]), vocoder.push(session, codes[10:]), vocoder.finish(session)]
+    )
+    assert float(np.abs(pcm - short_ref).max()) < TOLERANCE
+
+
+def test_empty_pushes_and_zero_code_streams(vocoder: StreamingVocoder, codes: list[int]) -> None:
+    session = vocoder.open("default", seed=SEED)
+    assert len(vocoder.push(session, [])) == 0
+    tail = vocoder.finish(session)
+    assert tail.dtype == np.float32 and tail.shape == (0,)
+    assert session.is_closed
+    with pytest.raises(ValueError, match="closed"):
+        vocoder.push(session, [1])
+    with pytest.raises(ValueError, match="closed"):
+        vocoder.finish(session)
+    assert len(vocoder.decode_whole("default", [], seed=SEED)) == 0
+
+    one = vocoder.open("default", seed=SEED)
+    assert len(vocoder.push(one, [codes[0]])) == 0
+    assert len(vocoder.finish(one)) == SAMPLES_PER_CODE
+
+
+@pytest.mark.parametrize("bad", [[16384], [-1], [1.5], ["7"], [3, 20000]])
+def test_bad_codes_raise_and_leave_sessions_untouched(
+    vocoder: StreamingVocoder, codes: list[int], reference: np.ndarray, bad: list[object]
+) -> None:
+    session = vocoder.open("default", seed=SEED)
+    other = vocoder.open("default", seed=SEED)
+    first = vocoder.push(session, codes[:10])
+    with pytest.raises(ValueError, match="codes"):
+        vocoder.push(session, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="codes"):
+        vocoder.step([(other, codes[:3]), (session, bad)])  # type: ignore[list-item]
+    assert other.num_codes_pushed == 0 and session.num_codes_pushed == 10
+    pcm = np.concatenate([first, vocoder.push(session, codes[10:]), vocoder.finish(session)])
+    assert float(np.abs(pcm - reference).max()) < TOLERANCE
+    vocoder.close(other)
+    with pytest.raises(ValueError, match="out of range|not an integer"):
+        vocoder.decode_whole("default", bad)  # type: ignore[arg-type]
+
+
+def test_unknown_voice_and_bad_seed(vocoder: StreamingVocoder) -> None:
+    with pytest.raises(ValueError, match=r"unknown voice 'nobody'.*default"):
+        vocoder.open("nobody")
+    with pytest.raises(ValueError, match="unknown voice"):
+        vocoder.decode_whole("nobody", [1, 2, 3])
+    with pytest.raises(ValueError, match="seed"):
+        vocoder.open("default", seed=-1)
+    session = vocoder.open("default")
+    with pytest.raises(ValueError, match="twice"):
+        vocoder.step([(session, [1]), (session, [2])])
+    vocoder.close(session)
+
+
+def test_session_state_stays_bounded(vocoder: StreamingVocoder) -> None:
+    long_codes = np.random.default_rng(2).integers(0, 16384, 120).tolist()
+    before = vocoder.num_open_sessions
+    session = vocoder.open("default", seed=1)
+    total = 0
+    for i in range(0, 120, 6):
+        total += len(vocoder.push(session, long_codes[i : i + 6]))
+        # code history: encoder receptive field + lookahead + one push; mel: left + right context + one chunk
+        assert len(session.codes) <= vocoder.history_codes + 3 + 6
+        assert session.mel.shape[1] <= vocoder.left_context + vocoder.right_context + 4 * (8 + 6)
+    total += len(vocoder.finish(session))
+    assert total == 120 * SAMPLES_PER_CODE
+    assert vocoder.num_open_sessions == before

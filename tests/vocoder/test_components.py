@@ -1,0 +1,158 @@
+"""Parts of the decoder: noise, BigVGAN receptive field and checkpoints, voices, state pool, config."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from vocoder.config import HOP_LENGTH, BigVGANConfig, VocoderConfig
+from vocoder.flow import FlowDecoder
+from vocoder.make_default_voice import make_voice
+from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
+from vocoder.noise import frame_noise
+from vocoder.state_pool import FlowStatePool
+from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
+
+
+def test_noise_depends_only_on_seed_and_frame() -> None:
+    whole = frame_noise(11, 0, 40)
+    assert whole.shape == (80, 40) and whole.dtype == torch.float32
+    assert torch.equal(torch.cat([frame_noise(11, 0, 13), frame_noise(11, 13, 40)], dim=1), whole)
+    assert not torch.equal(frame_noise(12, 0, 40), whole)
+    big = frame_noise(2**40 + 3, 0, 2000)
+    assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1.0) < 0.02
+    with pytest.raises(ValueError, match="seed"):
+        frame_noise(-1, 0, 4)
+    with pytest.raises(ValueError, match="seed"):
+        frame_noise(1.5, 0, 4)  # type: ignore[arg-type]
+
+
+def test_bigvgan_receptive_field_bounds_the_real_dependence() -> None:
+    cfg = VocoderConfig.preset("tiny").bigvgan
+    model = build_generator(cfg, seed=0).double()
+    left, right = receptive_field_frames(model)
+    assert (left, right) == (16, 16)
+    mel = torch.randn(1, 80, 72, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) - 5
+    j = 36
+    bumped = mel.clone()
+    bumped[0, :, j] += 1.0
+    with torch.no_grad():
+        diff = (vocode(model, bumped) - vocode(model, mel))[0].abs()
+    changed = torch.nonzero(diff > 0).flatten()
+    # Frame f's samples depend on mel frames [f - left, f + right], so frame j reaches frames [j - right, j + left].
+    assert int(changed.min()) >= (j - right) * HOP_LENGTH
+    assert int(changed.max()) < (j + left + 1) * HOP_LENGTH
+    assert int(changed.max()) - int(changed.min()) > 10 * HOP_LENGTH  # and it is not trivially small
+
+
+def test_full_layout_receptive_field() -> None:
+    # The receptive field depends on kernels, rates and dilations only, so a narrow clone of `full` gives it.
+    narrow = dataclasses.replace(BigVGANConfig(), upsample_initial_channel=64)
+    assert receptive_field_frames(build_generator(narrow)) == (30, 30)
+
+
+def test_bigvgan_config_must_fit_this_mel() -> None:
+    with pytest.raises(ValueError, match="480"):
+        BigVGANConfig(upsample_rates=(4, 4, 2, 2, 2, 2), upsample_kernel_sizes=(8, 8, 4, 4, 4, 4)).validate()
+    with pytest.raises(ValueError, match="even"):
+        BigVGANConfig(upsample_kernel_sizes=(10, 8, 7, 4, 4, 4)).validate()
+    with pytest.raises(ValueError, match="unknown vocoder preset"):
+        VocoderConfig.preset("huge")
+
+
+def test_bigvgan_safetensors_checkpoints(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    cfg = dataclasses.replace(VocoderConfig.preset("tiny").bigvgan, upsample_initial_channel=64)
+    source = build_generator(cfg, seed=3)
+    mel = torch.randn(1, 80, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = vocode(source, mel)
+    folded = tmp_path / "g.safetensors"
+    save_file({f"generator.{k}": v.contiguous() for k, v in source.state_dict().items()}, str(folded))
+    with torch.no_grad():
+        assert torch.equal(vocode(build_generator(cfg, checkpoint=folded, seed=9), mel), want)
+    # Weight-norm keys (as trained): g = ||v|| per output channel makes the same weights.
+    wn = {}
+    for k, v in source.state_dict().items():
+        if k.endswith(".weight") and v.dim() == 3:  # weight_norm(dim=0): g is the norm over dims 1, 2
+            wn[k[: -len("weight")] + "weight_g"] = v.norm(dim=(1, 2), keepdim=True)
+            wn[k[: -len("weight")] + "weight_v"] = v
+        else:
+            wn[k] = v
+    weight_norm = tmp_path / "wn.safetensors"
+    save_file({k: v.contiguous() for k, v in wn.items()}, str(weight_norm))
+    with torch.no_grad():
+        assert torch.allclose(vocode(build_generator(cfg, checkpoint=weight_norm), mel), want, atol=1e-6)
+    save_file({"conv_pre.weight": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match="does not match"):
+        build_generator(cfg, checkpoint=tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="safetensors"):
+        build_generator(cfg, checkpoint=tmp_path / "g.pt")
+
+
+def test_voice_files_round_trip(tmp_path: Path) -> None:
+    shipped = VoiceLibrary().get("default")
+    rebuilt = make_voice()  # the shipped file is reproducible from the script
+    assert torch.equal(shipped.prompt_codes, rebuilt.prompt_codes)
+    assert torch.equal(shipped.prompt_mel, rebuilt.prompt_mel)
+    assert shipped.prompt_mel.shape == (48, 80) and shipped.speaker_embedding.shape == (192,)
+    assert (DEFAULT_VOICES_DIR / "default.safetensors").stat().st_size < 20_000
+
+    make_voice("default").save(tmp_path / "default.safetensors")
+    make_voice("alice", seed=1, num_prompt_codes=5).save(tmp_path / "alice.safetensors")
+    lib = VoiceLibrary(tmp_path)
+    assert lib.names() == ["alice", "default"]
+    alice = lib.get("alice")
+    assert alice.num_prompt_codes == 5 and alice.prompt_mel.shape == (20, 80)
+    with pytest.raises(ValueError, match="known voices: alice, default"):
+        lib.get("bob")
+    with pytest.raises(ValueError, match="no default"):
+        VoiceLibrary(tmp_path / "missing")
+
+
+def test_voice_validation() -> None:
+    good = make_voice()
+    with pytest.raises(ValueError, match="prompt_mel"):
+        Voice("x", good.speaker_embedding, good.prompt_codes, good.prompt_mel[:-1])
+    with pytest.raises(ValueError, match="prompt_codes"):
+        Voice("x", good.speaker_embedding, good.prompt_codes + 16384, good.prompt_mel)
+    with pytest.raises(ValueError, match="speaker_embedding"):
+        Voice("x", good.speaker_embedding[:10], good.prompt_codes, good.prompt_mel)
+
+
+def test_state_pool_grows_and_keeps_slots() -> None:
+    pool = FlowStatePool(
+        [(3, 2), (5, 1)], num_steps=2, num_branches=2, device="cpu", dtype=torch.float32, capacity=1
+    )
+    a = pool.allocate()
+    slots = torch.tensor([a])
+    pool.write(slots, 1, [torch.ones(2, 3, 2), torch.full((2, 5, 1), 2.0)])
+    b = pool.allocate()  # grows
+    assert pool.capacity == 2 and {a, b} == {0, 1}
+    assert torch.equal(pool.read(slots, 1)[1], torch.full((2, 5, 1), 2.0))
+    assert torch.equal(pool.read(torch.tensor([b]), 1)[0], torch.zeros(2, 3, 2))
+    pool.release(a)
+    assert pool.allocate() == a and float(pool.read(slots, 1)[0].abs().sum()) == 0.0  # re-zeroed
+
+
+def test_flow_streaming_equals_whole_at_mel_level() -> None:
+    torch.manual_seed(0)
+    flow = FlowDecoder(VocoderConfig.preset("tiny").flow).eval()
+    t = 24
+    mu, cond, noise = (torch.randn(1, 80, t) for _ in range(3))
+    spk = torch.randn(1, 80)
+    whole, _ = flow.solve(mu, spk, cond, noise)
+    shapes = flow.cache_shapes()
+    caches = [[torch.zeros(2, c, ctx) for c, ctx in shapes] for _ in range(flow.cfg.num_steps)]
+    parts = []
+    for a, z in [(0, 4), (4, 16), (16, 24)]:
+        out, caches = flow.solve(
+            mu[..., a:z], spk, cond[..., a:z], noise[..., a:z], caches, torch.tensor([z - a])
+        )
+        parts.append(out)
+    assert torch.allclose(torch.cat(parts, dim=2), whole, atol=1e-5)
+    assert float((whole - noise).abs().mean()) > 0.1  # the estimator did move the noise
