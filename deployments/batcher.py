@@ -1,8 +1,8 @@
 """`VocoderBatcher`: advances many utterance streams with one `StreamingVocoder.step` per round.
 
-Pure asyncio (no Ray), so it is unit-tested directly. Every vocoder call (open, step, finish) runs on
-one worker thread, in submission order: the vocoder never sees two calls at once, and the replica's
-event loop stays free to move bytes while a step computes.
+Pure asyncio (no Ray), so it is unit-tested directly. Every vocoder call (open, step, finish_many,
+close) runs on one worker thread, in submission order: the vocoder never sees two calls at once, and
+the replica's event loop stays free to move bytes while a step computes.
 
 Codes that arrive while a step is running accumulate in their stream's `pending` list and go into the
 next step together, so a slow step is followed by a bigger one instead of a queue of small ones.
@@ -53,7 +53,7 @@ class VocoderBatcher:
         self._on_step = on_step
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._streams: list[BatchedStream] = []
-        self._discard: list[Any] = []  # sessions of aborted streams, finished by the loop
+        self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_open_sessions = 0
@@ -97,7 +97,7 @@ class VocoderBatcher:
         self._wake.set()
 
     def close(self, stream: BatchedStream) -> None:
-        """Abort: drop pending codes and finish the session without delivering its tail."""
+        """Abort: drop pending codes; the loop closes the session (`StreamingVocoder.close`, no tail)."""
         if stream.is_closed:
             return
         stream.is_closed = True
@@ -123,10 +123,10 @@ class VocoderBatcher:
     async def _round(self) -> bool:
         """One step over ready streams plus any finishes; False when there was nothing to do."""
         did_work = False
-        while self._discard:
-            session = self._discard.pop()
-            await self._call(self.vocoder.finish, session)
-            self.num_open_sessions -= 1
+        if self._discard:
+            sessions, self._discard = self._discard, []
+            await self._call(lambda: [self.vocoder.close(session) for session in sessions])
+            self.num_open_sessions -= len(sessions)
             did_work = True
         ready = sorted((s for s in self._streams if s.pending), key=lambda s: s.pending_since)
         ready = ready[: self.max_batch_size]
@@ -141,15 +141,16 @@ class VocoderBatcher:
             for stream, pcm in zip(ready, pcms, strict=True):
                 self._deliver(stream, pcm)
             did_work = True
-        for stream in [s for s in self._streams if s.is_ended and not s.pending]:
-            if stream.is_closed:  # aborted while an earlier finish ran
-                continue
-            stream.is_closed = True
-            tail = await self._call(self.vocoder.finish, stream.session)
-            self.num_open_sessions -= 1
-            self._streams.remove(stream)
-            self._deliver(stream, tail)
-            stream.out.put_nowait(END)
+        finishing = [s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
+        if finishing:
+            for stream in finishing:
+                stream.is_closed = True
+                self._streams.remove(stream)
+            tails = await self._call(self.vocoder.finish_many, [s.session for s in finishing])
+            self.num_open_sessions -= len(finishing)
+            for stream, tail in zip(finishing, tails, strict=True):
+                self._deliver(stream, tail)
+                stream.out.put_nowait(END)
             did_work = True
         return did_work
 

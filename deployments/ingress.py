@@ -155,7 +155,7 @@ class Ingress:
         self._remember(summary)
         return StreamingResponse(self._body(route, stream, plan, summary, started, deadline),
                                  media_type=plan.media_type,
-                                 headers={"x-request-id": request_id, "cache-control": "no-store"})
+                                 headers={"x-moss-request-id": request_id, "cache-control": "no-store"})
 
     async def _body(self, route: str, stream: Any, plan: StreamPlan, summary: dict[str, Any],
                     started: float, deadline: float) -> AsyncIterator[bytes]:

@@ -51,7 +51,7 @@ class VocoderServer:
 
     def stats(self) -> dict[str, Any]:
         """Counts for /admin/stats and tests."""
-        return {"active_streams": self._num_active, "open_sessions": self._batcher.num_open_sessions,
+        return {"active_streams": self._num_active, "open_sessions": self._vocoder.num_open_sessions,
                 "batched_streams": self._batcher.num_streams, "num_steps": self._batcher.num_steps}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

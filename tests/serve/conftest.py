@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import serve_harness
+from talking_checkpoint import write_talking_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -29,15 +30,21 @@ def serve_metrics_port() -> Iterator[int]:
 
 
 @pytest.fixture(scope="session")
-def serve_base_url(serve_metrics_port: int) -> Iterator[str]:
-    """Start Serve on 127.0.0.1 and run the tiny app once for the whole session."""
+def serve_base_url(serve_metrics_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Start Serve on 127.0.0.1 and run the tiny app once for the whole session.
+
+    The engine loads the synthetic "talking" tiny checkpoint (see talking_checkpoint.py) through the
+    real checkpoint loader; the vocoder is the real `tiny` preset.
+    """
     from ray import serve
 
     from deployments.app import build_app
 
+    checkpoint = write_talking_checkpoint(tmp_path_factory.mktemp("talking-checkpoint"))
+    args = serve_harness.app_args(str(checkpoint))
     port = serve_harness.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(serve_harness.TEST_APP_ARGS), name=serve_harness.APP_NAME, route_prefix="/")
+    serve.run(build_app(args), name=serve_harness.APP_NAME, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 

@@ -13,19 +13,25 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# The app every serve test talks to: tiny engine and vocoder on CPU, small queues so overload is
-# reachable with a handful of requests.
-TEST_APP_ARGS: dict = {
-    "engine": {"model": "tiny", "device": "cpu", "kv_cache_bytes": 64 * 2**20,
-               "max_num_running": 4, "max_num_waiting": 2, "max_model_len": 4096},
-    "vocoder_preset": "tiny",
-    "max_input_chars": 2000,
-    "max_new_tokens_limit": 3000,
-    "default_max_new_tokens": 64,
-    "request_timeout_s": 120.0,
-    "stream_idle_timeout_s": 60.0,
-}
 APP_NAME = "moss"
+MAX_NUM_RUNNING = 4
+MAX_NUM_WAITING = 2
+
+
+def app_args(model: str) -> dict:
+    """The app every serve test talks to: tiny engine (`model`: preset or checkpoint folder) and
+    tiny vocoder on CPU, small queues so overload is reachable with a handful of requests."""
+    return {
+        "engine": {"model": model, "device": "cpu", "kv_cache_bytes": 16 * 2**20,
+                   "max_num_running": MAX_NUM_RUNNING, "max_num_waiting": MAX_NUM_WAITING,
+                   "max_model_len": 4096},
+        "vocoder_preset": "tiny",
+        "max_input_chars": 2000,
+        "max_new_tokens_limit": 3000,
+        "default_max_new_tokens": 64,
+        "request_timeout_s": 300.0,
+        "stream_idle_timeout_s": 120.0,
+    }
 
 _state: dict[str, int] = {}
 

@@ -29,6 +29,7 @@ class RecordingVocoder:
     def __init__(self) -> None:
         self.steps: list[list[tuple[str, list[int]]]] = []
         self.finished: list[str] = []
+        self.closed: list[str] = []
         self.num_opened = 0
 
     def open(self, voice: str, *, seed: int = 0) -> Session:
@@ -49,11 +50,18 @@ class RecordingVocoder:
             outs.append(self._emit(session, max(0, len(session.codes) - LOOKAHEAD)))
         return outs
 
-    def finish(self, session: Session) -> np.ndarray:
-        assert not session.closed
+    def finish_many(self, sessions: list[Session]) -> list[np.ndarray]:
+        outs = []
+        for session in sessions:
+            assert not session.closed
+            session.closed = True
+            self.finished.append(session.name)
+            outs.append(self._emit(session, len(session.codes)))
+        return outs
+
+    def close(self, session: Session) -> None:
         session.closed = True
-        self.finished.append(session.name)
-        return self._emit(session, len(session.codes))
+        self.closed.append(session.name)
 
 
 async def drain(queue: asyncio.Queue) -> list[float]:
@@ -81,7 +89,7 @@ def test_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -
         assert out_a == [1.0] * 4 + [2.0] * 4 + [3.0] * 4 + [4.0] * 4
         assert out_b == [7.0] * 4
         assert (a.num_codes, a.num_samples, b.num_samples) == (4, 16, 4)
-        assert sorted(vocoder.finished) == ["default-1", "default-2"]
+        assert vocoder.finished == ["default-1", "default-2"]  # one finish_many call
         assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
         await batcher.shutdown()
 
@@ -103,7 +111,7 @@ def test_max_batch_size_takes_the_longest_waiting_streams_first() -> None:
     asyncio.run(main())
 
 
-def test_close_finishes_the_session_and_drops_its_output() -> None:
+def test_close_closes_the_session_and_drops_its_output() -> None:
     async def main() -> None:
         vocoder = RecordingVocoder()
         batcher = VocoderBatcher(vocoder, max_batch_size=4, sample_rate=24000)
@@ -115,7 +123,7 @@ def test_close_finishes_the_session_and_drops_its_output() -> None:
         batcher.end(kept)
         assert await drain(kept.out) == [1.0] * 4
         assert vocoder.steps == [[("v-0", [1])]]
-        assert sorted(vocoder.finished) == ["v-0", "v-9"]
+        assert vocoder.finished == ["v-0"] and vocoder.closed == ["v-9"]
         assert dropped.out.empty()
         assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
         await batcher.shutdown()
