@@ -2,7 +2,6 @@
 view's metric names against what the service really exports."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import threading
@@ -38,7 +37,7 @@ def autoscaled_app_args() -> dict[str, Any]:
     KV and TTFA thresholds are out of reach, so only `num_waiting` moves the fleet. Ray's default policy
     is told to aim for 100 ongoing requests per replica: it alone would never add a replica here.
     """
-    args = copy.deepcopy(serve_harness.TEST_APP_ARGS)
+    args = serve_harness.app_args("tiny")
     args["engine"].update(max_num_running=1, max_num_waiting=16)
     args["llm_options"] = {"num_cpus": 0.25, "autoscaling_config": {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 100,
@@ -108,6 +107,10 @@ def test_llm_replicas_rise_under_queue_pressure_and_fall_back_after_it() -> None
     try:
         serve_harness.wait_until(lambda: observe() == 2, timeout_s=120, interval_s=0.5,
                                  what="a second LLM replica under load")
+        serve_harness.wait_until(
+            lambda: summarize(parse_samples(serve_harness.scrape_metrics()))["replicas"].get(
+                f"{OPS_APP}/LLMServer") == {"healthy": 2, "target": 2},
+            timeout_s=60, interval_s=1.0, what="exported replica gauges of the grown fleet")
     finally:
         stop.set()
         for thread in clients:
@@ -116,6 +119,11 @@ def test_llm_replicas_rise_under_queue_pressure_and_fall_back_after_it() -> None
                              what="the fleet to shrink back to one LLM replica after the load")
     assert failures == []
     assert seen == [1, 2, 1]
+    # The dashboard's and the metrics view's replica numbers follow: healthy replicas and Serve's target.
+    serve_harness.wait_until(
+        lambda: summarize(parse_samples(serve_harness.scrape_metrics()))["replicas"].get(
+            f"{OPS_APP}/LLMServer") == {"healthy": 1, "target": 1},
+        timeout_s=60, interval_s=1.0, what="exported replica gauges of the shrunk fleet")
 
 
 def test_every_dashboard_query_names_an_exported_metric_and_the_view_counts_our_requests(
