@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import itertools
 import json
 import shlex
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from bench.measure import (  # the repo root is on sys.path now
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPEECH_PATH = "/v1/audio/speech"
 REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
+_variants = itertools.count()  # prompt variants of this process's requests
 
 
 class WavFormatError(ValueError):
@@ -112,11 +115,16 @@ class SpeechLoad:
     temperature: float | None = None
     timeout_s: float = 600.0
     server_summary: bool = False  # GET /admin/requests/{id} after each request (codes, prompt tokens)
+    prompt_tokens: int | None = None  # with unique_prompts: each request gets its own text of this length
+    unique_prompts: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def payload(self) -> dict[str, Any]:
         """The JSON body of one request."""
-        body: dict[str, Any] = {"model": self.model, "input": self.input, "voice": self.voice,
+        text = self.input
+        if self.unique_prompts and self.prompt_tokens:
+            text = speech_prompt_text(self.prompt_tokens, variant=next(_variants))
+        body: dict[str, Any] = {"model": self.model, "input": text, "voice": self.voice,
                                 "response_format": self.response_format, "stream_format": "audio"}
         for key in ("max_new_tokens", "min_new_tokens", "seed", "temperature"):
             if getattr(self, key) is not None:
@@ -152,11 +160,12 @@ def prompt_text(num_prompt_tokens: int) -> str:
 async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestResult:
     """Send one request and time its audio as it arrives; never raises for HTTP or network failures."""
     result = RequestResult()
+    body = load.payload()
     started = time.perf_counter()
     timeline = AudioTimeline(started, result)
     audio = AudioStream(load.response_format)
     try:
-        async with client.stream("POST", load.url + SPEECH_PATH, json=load.payload(),
+        async with client.stream("POST", load.url + SPEECH_PATH, json=body,
                                  timeout=httpx.Timeout(load.timeout_s, connect=10.0)) as response:
             result.status = response.status_code
             result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
@@ -224,8 +233,11 @@ async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float
 
 async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_requests: int | None,
                         warmup: int, rate: float | None = None, duration_s: float = 0.0,
-                        seed: int = 0) -> list[dict[str, Any]]:
-    """Every level (closed loop) or the one open-loop run, each after its warm-up -> level summaries."""
+                        seed: int = 0,
+                        on_level: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Every level (closed loop) or the one open-loop run, each after its warm-up -> level summaries.
+
+    `on_level(levels_so_far)` is called after each level (the CLI saves partial results with it)."""
     most = max([*concurrency_levels, warmup, 1]) + 16
     limits = httpx.Limits(max_connections=None if rate else most, max_keepalive_connections=most)
     levels: list[dict[str, Any]] = []
@@ -242,6 +254,8 @@ async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_
             count = num_requests if num_requests is not None else max(8, 2 * concurrency)
             results, wall_s = await run_closed_loop(client, load, concurrency, count)
             levels.append(summarize(results, wall_s, concurrency=concurrency))
+            if on_level is not None:
+                on_level(levels)
     return levels
 
 
@@ -261,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     text.add_argument("--input", default=None, help="text to speak")
     text.add_argument("--prompt-tokens", type=int, default=None,
                       help="pick input text so the prompt is exactly this many tokens (preset tokenizer)")
+    p.add_argument("--same-prompt", action="store_true",
+                   help="with --prompt-tokens: every request sends the same text (default: each request's "
+                        "text starts with its own number, so only the system prompt hits the prefix cache)")
     p.add_argument("--voice", default="default")
     p.add_argument("--response-format", choices=("pcm", "wav"), default="pcm")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -289,28 +306,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       response_format=args.response_format, max_new_tokens=args.max_new_tokens,
                       min_new_tokens=args.max_new_tokens if args.fixed_length else None, seed=args.seed,
                       temperature=args.temperature, timeout_s=args.timeout,
-                      server_summary=args.server_summary)
-    levels = asyncio.run(run_benchmark(
-        load, concurrency_levels=levels_asked, num_requests=args.requests, warmup=args.warmup,
-        rate=args.rate, duration_s=args.duration, seed=args.seed))
+                      server_summary=args.server_summary, prompt_tokens=args.prompt_tokens,
+                      unique_prompts=bool(args.prompt_tokens) and not args.same_prompt)
     request = {k: v for k, v in asdict(load).items() if k not in ("input", "extra", "url")}
-    request.update(input_chars=len(text), input_head=text[:48], prompt_tokens_asked=args.prompt_tokens)
-    summary = {
+    request.update(input_chars=len(text), input_head=text[:48])
+    summary: dict[str, Any] = {
         "benchmark": "http_speech",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "argv": sys.argv if argv is None else argv,
         "url": url, "label": args.label, "mode": "open" if args.rate is not None else "closed",
         "concurrency_levels": [] if args.rate is not None else levels_asked,
-        "warmup_per_level": args.warmup, "request": request, "levels": levels,
+        "warmup_per_level": args.warmup, "request": request, "complete": False, "levels": [],
     }
+
+    def save(levels: list[dict[str, Any]]) -> None:
+        summary["levels"] = levels
+        if args.out:  # after every level, so a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(summary) + "\n")
+
+    levels = asyncio.run(run_benchmark(
+        load, concurrency_levels=levels_asked, num_requests=args.requests, warmup=args.warmup,
+        rate=args.rate, duration_s=args.duration, seed=args.seed, on_level=save))
+    summary["complete"] = True
     if args.plot:
         x_key = "rate_per_s" if args.rate is not None else "concurrency"
         plot_levels(levels, args.plot, x_key=x_key, title=f"{summary['label']} {summary['command']}"[:160])
         summary["plot"] = args.plot
-    line = json.dumps(summary)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    save(levels)
+    print(json.dumps(summary))
     return summary
 
 

@@ -9,6 +9,7 @@ audio duration) and the buffer underruns of a listener who starts playback on th
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -170,25 +171,35 @@ def _error_key(result: RequestResult) -> str:
     return str(result.status)
 
 
-def speech_prompt_text(num_prompt_tokens: int) -> str:
+def speech_prompt_text(num_prompt_tokens: int, variant: int | None = None) -> str:
     """Input text whose speech prompt is exactly `num_prompt_tokens` rows with the presets' byte-level
-    tokenizer (the ingress's read-aloud system prompt + chat template + this text)."""
-    from deployments.validation import READ_ALOUD_PROMPT
-    from runtime.prompts import ChatMessage, build_prompt_rows
+    tokenizer (the ingress's read-aloud system prompt + chat template + this text).
+
+    With `variant`, the text starts with that number (7 digits), so prompts of different variants share
+    only the system prompt's KV blocks in the prefix cache, as different users' requests would.
+    """
+    num_chars = num_prompt_tokens - _speech_prompt_rows("")  # one byte-level token per ASCII character
+    head = "" if variant is None else f"{variant % 10**7:07d} "
+    if num_chars < len(head) + 1:
+        raise ValueError(f"the fixed speech prompt takes {num_prompt_tokens - num_chars} tokens; ask for more")
+    text = (head + FILLER * (num_chars // len(FILLER) + 1))[:num_chars]
+    assert _speech_prompt_rows(text) == num_prompt_tokens
+    return text
+
+
+@functools.cache
+def _tiny_tokenizer() -> Any:
     from runtime.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.tiny()
+    return Tokenizer.tiny()
 
-    def rows(text: str) -> int:
-        return len(build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT),
-                                                 ChatMessage("user", text)], output_modality="audio"))
 
-    num_chars = num_prompt_tokens - rows("")  # one byte-level token per ASCII character
-    if num_chars < 1:
-        raise ValueError(f"the fixed speech prompt alone takes {rows('')} tokens; ask for more")
-    text = (FILLER * (num_chars // len(FILLER) + 1))[:num_chars]
-    assert rows(text) == num_prompt_tokens
-    return text
+def _speech_prompt_rows(text: str) -> int:
+    from deployments.validation import READ_ALOUD_PROMPT
+    from runtime.prompts import ChatMessage, build_prompt_rows
+
+    messages = [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", text)]
+    return len(build_prompt_rows(_tiny_tokenizer(), messages, output_modality="audio"))
 
 
 def plot_levels(levels: Sequence[dict[str, Any]], path: str, *, x_key: str = "concurrency",

@@ -163,12 +163,21 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     return Pipeline(engine, vocoder, max_batch), settings
 
 
-async def run(args: argparse.Namespace, levels: list[int], text: str) -> tuple[list[dict[str, Any]], dict]:
-    """Build, then warm up and measure every concurrency level -> (level summaries, settings)."""
-    pipeline, settings = build(args)
+async def run(args: argparse.Namespace, levels: list[int], text: str,
+              summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Build, then warm up and measure every concurrency level -> level summaries (also saved to
+    --out after each level, so a run cut short keeps what it measured)."""
+    pipeline, summary["settings"] = build(args)
+    summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")))
     min_new = args.max_new_tokens if args.fixed_length else 0
 
+    variants = itertools.count()
+
     def make_request() -> Any:
+        if args.prompt_tokens and not args.same_prompt:  # as bench/client.py: distinct user text
+            return pipeline.request(speech_prompt_text(args.prompt_tokens, variant=next(variants)),
+                                    max_new_tokens=args.max_new_tokens, min_new_tokens=min_new,
+                                    seed=args.seed, temperature=args.temperature)
         return pipeline.request(text, max_new_tokens=args.max_new_tokens, min_new_tokens=min_new,
                                 seed=args.seed, temperature=args.temperature)
 
@@ -183,10 +192,13 @@ async def run(args: argparse.Namespace, levels: list[int], text: str) -> tuple[l
             out.append(summarize(results, wall_s, concurrency=concurrency,
                                  engine_preemptions=stats.num_preemptions,
                                  vocoder_steps=pipeline.batcher.num_steps))
+            summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")), levels=out)
+            if args.out:
+                Path(args.out).write_text(json.dumps(summary) + "\n")
     finally:
         await pipeline.batcher.shutdown()
         await pipeline.engine.shutdown()
-    return out, settings
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,6 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     text = p.add_mutually_exclusive_group()
     text.add_argument("--input", default="Hello there, this is a streaming speech benchmark.")
     text.add_argument("--prompt-tokens", type=int, default=None, help="prompt of exactly this many tokens")
+    p.add_argument("--same-prompt", action="store_true", help="with --prompt-tokens: one text for all")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--fixed-length", action="store_true", help="min_new_tokens = max_new_tokens")
     p.add_argument("--temperature", type=float, default=None)
@@ -223,16 +236,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     text = speech_prompt_text(args.prompt_tokens) if args.prompt_tokens else args.input
-    results, settings = asyncio.run(run(args, levels, text))
     summary: dict[str, Any] = {
         "benchmark": "inprocess_speech",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "label": args.label, "mode": "closed", "concurrency_levels": levels, "warmup_per_level": args.warmup,
         "request": {"input_chars": len(text), "prompt_tokens_asked": args.prompt_tokens,
+                    "same_prompt": args.same_prompt,
                     "max_new_tokens": args.max_new_tokens, "fixed_length": args.fixed_length,
                     "seed": args.seed, "temperature": args.temperature},
-        "settings": settings, **_device_info(settings["engine"].get("device", "cpu")), "levels": results,
+        "complete": False, "levels": [],
     }
+    results = asyncio.run(run(args, levels, text, summary))
+    summary["complete"] = True
     if args.plot:
         plot_levels(results, args.plot, title=f"{args.label} {summary['command']}"[:160])
         summary["plot"] = args.plot

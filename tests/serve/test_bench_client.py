@@ -22,7 +22,7 @@ from bench.client import (
     prompt_text,
     run_closed_loop,
 )
-from bench.measure import PlaybackClock, summarize
+from bench.measure import PlaybackClock, speech_prompt_text, summarize
 from deployments.framing import wav_header
 
 APP = {"application": serve_harness.APP_NAME}
@@ -70,6 +70,13 @@ def test_check_url_refuses_non_loopback_hosts_unless_allowed() -> None:
     assert check_url("http://10.1.2.3:8000", allow_remote=True) == "http://10.1.2.3:8000"
 
 
+def test_prompt_text_has_the_asked_length_and_variants_differ_from_their_first_character() -> None:
+    texts = [speech_prompt_text(512, variant=v) for v in (0, 1, 2)]
+    assert prompt_text(512) == speech_prompt_text(512) and len(set(texts)) == 3
+    assert [len(t) for t in texts] == [len(prompt_text(512))] * 3 == [360] * 3  # byte-level: one token each
+    assert texts[1].startswith("0000001 The quick brown fox")
+
+
 def _counters() -> dict[str, float]:
     text = serve_harness.scrape_metrics()
     value = serve_harness.metric_value
@@ -102,7 +109,7 @@ async def _run(load: SpeechLoad, concurrency: int, num_requests: int) -> list:
 
 def test_client_counts_match_the_servers_reports_and_metrics(serve_base_url: str) -> None:
     before = _settled()
-    common = {"url": check_url(serve_base_url), "input": prompt_text(PROMPT_TOKENS),
+    common = {"url": check_url(serve_base_url), "prompt_tokens": PROMPT_TOKENS, "unique_prompts": True,
               "max_new_tokens": CODES, "min_new_tokens": CODES, "seed": 3, "timeout_s": 120.0,
               "server_summary": True}
     results = asyncio.run(_run(SpeechLoad(response_format="wav", **common), 2, 4))
