@@ -200,3 +200,33 @@ def test_ray_resolves_the_import_paths_to_policies_built_with_policy_kwargs() ->
     assert decision == 2
     assert state[DESIRED_KEY] == 2
     assert llm_policy is LLMPolicy and vocoder_policy is VocoderPolicy
+
+
+def test_ray_upscale_delay_still_applies_because_the_policy_repeats_its_decision(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray applies upscale_delay_s on top of custom policies with its own wall clock; the policy must
+    keep asking for the same count for the whole delay, or Ray's delay would restart every tick."""
+    import types
+
+    import ray.serve.autoscaling_policy as ray_policy
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    clock = [1000.0]
+    monkeypatch.setattr(ray_policy, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    config = AutoscalingConfig(min_replicas=1, max_replicas=3, upscale_delay_s=5, downscale_delay_s=0)
+    policy = ray_policy._apply_autoscaling_config(LLMPolicy(upscale_cooldown_s=0))
+    state: dict[str, Any] = {}
+    target = 1
+    decisions = []
+    for tick in range(8):
+        clock[0] = 1000.0 + tick
+        ctx = AutoscalingContext(
+            deployment_id=None, deployment_name="LLM", app_name="moss", current_num_replicas=target,
+            target_num_replicas=target, running_replicas=[], total_num_requests=4.0,
+            total_queued_requests=0.0, raw_metrics={},
+            aggregated_metrics=per_replica({**IDLE_LLM, "num_waiting": 3.0}, target),
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3, policy_state=state,
+            last_scale_up_time=None, last_scale_down_time=None, current_time=clock[0], config=config)
+        target, state = policy(ctx)
+        decisions.append(target)
+    assert decisions == [1, 1, 1, 1, 1, 2, 2, 2]
