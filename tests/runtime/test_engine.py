@@ -42,8 +42,18 @@ def prompt(rng: random.Random, length: int, audio_out: bool) -> tuple[Row, ...]:
     return tuple(rows)
 
 
+_REFERENCE: dict[tuple[int, GenerationRequest], tuple[list[Row], RequestSampler]] = {}
+
+
 def reference_rows(model: MossSpeechForCausalLM, request: GenerationRequest) -> tuple[list[Row], RequestSampler]:
-    """No cache, no batching: full forward over all rows so far, sample the last position."""
+    """No cache, no batching: full forward over all rows so far, sample the last position (memoised)."""
+    key = (id(model), request)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_rows(model, request)
+    return _REFERENCE[key]
+
+
+def _reference_rows(model: MossSpeechForCausalLM, request: GenerationRequest) -> tuple[list[Row], RequestSampler]:
     seed = default_seed(request.request_id) if request.seed is None else request.seed
     sampler = RequestSampler(
         request.prompt_rows, request.text_sampling, request.audio_sampling,
@@ -157,7 +167,7 @@ def test_prefix_cache_hits_are_counted_and_do_not_change_outputs(model: MossSpee
 def test_seeded_sampling_is_the_same_alone_and_interleaved(model: MossSpeechForCausalLM) -> None:
     rng = random.Random(5)
     requests = [
-        GenerationRequest(f"s{i}", prompt(rng, 5 + 3 * i, audio_out=i % 2 == 1), HOT, HOT, max_new_tokens=6,
+        GenerationRequest(f"s{i}", prompt(rng, 5 + 3 * i, audio_out=i % 2 == 1), HOT, HOT, max_new_tokens=5,
                           seed=None if i == 0 else 1000 + i)
         for i in range(3)
     ]
@@ -217,6 +227,20 @@ def test_typed_errors_at_admission(model: MossSpeechForCausalLM) -> None:
         core.add_request(GenerationRequest("b", rows, max_new_tokens=4))
     assert info.value.retry_after_s > 0
     assert core.stats().num_waiting == 1
+
+
+def test_queue_timeout_ends_a_waiting_request(model: MossSpeechForCausalLM) -> None:
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(max_num_running=1, queue_timeout_s=10.0))
+    now = [0.0]
+    core.scheduler.clock = lambda: now[0]
+    rows = prompt(random.Random(11), 5, audio_out=True)
+    core.add_request(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3))
+    core.add_request(GenerationRequest("b", rows, GREEDY, GREEDY, max_new_tokens=3))
+    core.step()  # a runs, b waits (max_num_running=1)
+    now[0] = 10.5
+    events = core.step()
+    assert ("b", Finished("error", 5, 0, 0, 0, "request waited more than 10 s in the queue")) in events
+    assert core.stats().num_waiting == 0 and core.stats().num_running == 1
 
 
 async def _first_event(engine: Engine, request: GenerationRequest) -> Event:
