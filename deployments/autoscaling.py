@@ -92,10 +92,12 @@ class HysteresisPolicy:
     def classify(self, metrics: Mapping[str, Mapping[Any, float]]) -> tuple[str, str]:
         """Return ``(verdict, reason)``; verdict is ``"hot"``, ``"quiet"``, ``"hold"`` or ``"no_data"``."""
         quiet = True
+        missing = []
         for signal in self.signals:
             per_replica = metrics.get(signal.metric)
             if not per_replica:
-                return "no_data", f"no {signal.metric} reported"
+                missing.append(signal.metric)
+                continue
             values = list(per_replica.values())
             value = _reduce(values, signal.reduce)
             if value > signal.high:
@@ -105,6 +107,8 @@ class HysteresisPolicy:
                 value = value * n / max(n - self.step, 1)
             if not value < signal.low:
                 quiet = False
+        if missing:  # any hot signal wins above; without every signal, never call the fleet quiet
+            return "no_data", f"no {', '.join(missing)} reported"
         return ("quiet", "all signals below low thresholds") if quiet else ("hold", "between thresholds")
 
     def __call__(self, ctx: AutoscalingContextLike) -> tuple[int, dict[str, Any]]:

@@ -144,7 +144,10 @@ def test_missing_metrics_hold_and_keep_the_quiet_clock_stopped() -> None:
     history: list[dict[str, float | list[float]]] = [{}, {}, {}, IDLE_LLM, IDLE_LLM, IDLE_LLM]
     assert simulate(policy, history, start=2) == [2, 2, 2, 2, 2, 1]
     decision, state = policy(FakeContext(2, 2, 1, 4, 0.0, {"kv_cache_usage": {"replica-0": 0.1}}))
-    assert (decision, state[REASON_KEY]) == (2, "no num_waiting reported")
+    assert (decision, state[REASON_KEY]) == (2, "no num_waiting, ttfa_p90_s reported")
+    # A hot signal still scales up while another one is missing.
+    hot_queue = FakeContext(2, 2, 1, 4, 0.0, {"num_waiting": {"replica-0": 3.0, "replica-1": 1.0}})
+    assert LLMPolicy(upscale_cooldown_s=0)(hot_queue)[1][REASON_KEY] == "up: num_waiting 2 > 1"
 
 
 def test_ray_internal_state_keys_survive_and_the_input_state_is_not_mutated() -> None:
