@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.config import AUDIO_PAD_ID, IM_START_ID, SOSP_ID, ModelConfig, Row
-from runtime.engine import Engine, EngineConfig, EngineCore, default_seed
+from runtime.engine import Engine, EngineConfig, EngineCore, default_seed, num_kv_blocks
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache import kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
@@ -241,6 +241,23 @@ def test_queue_timeout_ends_a_waiting_request(model: MossSpeechForCausalLM) -> N
     events = core.step()
     assert ("b", Finished("error", 5, 0, 0, 0, "request waited more than 10 s in the queue")) in events
     assert core.stats().num_waiting == 0 and core.stats().num_running == 1
+
+
+def test_kv_pool_sizing_and_config_validation(model: MossSpeechForCausalLM) -> None:
+    per_block = kv_bytes_per_block(CONFIG, 4, torch.float32)
+    assert num_kv_blocks(EngineConfig(block_size=4, kv_cache_bytes=10 * per_block + per_block - 1), CONFIG) == 10
+    # Never more than max_num_running full-length sequences can use: 2 * ceil(18 / 4) = 10.
+    capped = EngineConfig(block_size=4, kv_cache_bytes=50 * per_block, max_num_running=2, max_model_len=18)
+    assert num_kv_blocks(capped, CONFIG) == 10
+    assert EngineCore(model, Tokenizer.tiny(), capped).stats().num_blocks_total == 10
+    with pytest.raises(ValueError, match="holds no block"):
+        num_kv_blocks(EngineConfig(block_size=4, kv_cache_bytes=per_block - 1), CONFIG)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        EngineConfig(kv_cache_memory_fraction=1.5)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        EngineCore(model, Tokenizer.tiny(), engine_config(max_model_len=10_000))
 
 
 async def _first_event(engine: Engine, request: GenerationRequest) -> Event:
