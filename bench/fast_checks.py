@@ -33,7 +33,7 @@ def _cache(blocks: int, block_size: int, kv: int, dim: int, device: torch.device
 # op name of the fast path each check covers (a failed check switches that op to its fallback)
 CHECK_OPS = {"add_rmsnorm": "add_rmsnorm", "qk_norm_rope_store": "qk_norm_rope_store", "silu_mul": "silu_mul",
              "decode_attention": "decode_attention", "prefill_attention": "prefill_attention",
-             "fp8_triton": "fp8_gemv"}
+             "fp8_triton": "fp8_gemv", "gemv": "one_row_gemv"}
 
 
 def failed_ops(checks: list[dict]) -> set[str]:
@@ -44,7 +44,8 @@ def failed_ops(checks: list[dict]) -> set[str]:
 def run_kernel_checks(device: torch.device, **shape: int) -> list[dict]:
     """Every check, each guarded: an exception becomes a failed entry with its message."""
     out: list[dict] = []
-    for check in (_check_norms, _check_qk_rope, _check_silu, _check_decode, _check_prefill, _check_fp8):
+    for check in (_check_norms, _check_qk_rope, _check_silu, _check_decode, _check_prefill, _check_fp8,
+                  _check_gemv):
         try:
             out.extend(check(device, **shape))
         except Exception as exc:  # noqa: BLE001 - reported, and the op falls back to PyTorch
@@ -168,4 +169,28 @@ def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]
         for kernel in ("triton", "scaled_mm"):
             d = _diff(linear(xx, w8, small_batch_kernel=kernel), want)
             out.append({"kernel": f"fp8_{kernel}(M={rows})", **d, "ok": d["rel_l2"] < 5e-2 and d["finite"]})
+    return out
+
+
+def _check_gemv(device: torch.device, hidden: int = 4096, inter: int = 12288, **_: int) -> list[dict]:
+    """One-row fused GEMV (runtime/kernels/gemv.py) vs the separate PyTorch ops + F.linear."""
+    from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL, gemv
+
+    ref, _, _, randn = _setup(device)
+    out: list[dict] = []
+    w, nw = randn(3072, hidden, scale=0.02), randn(hidden, scale=0.2) + 1
+    x, res = randn(1, hidden), randn(1, hidden)
+    for name, residual in (("rmsnorm+res", res), ("rmsnorm", None)):
+        h, summed = ref.add_rmsnorm(x, residual, nw, 1e-6)
+        got, got_res = gemv(x, w, prologue=RMSNORM, residual=residual, norm_weight=nw, eps=1e-6)
+        d = _diff(got, torch.nn.functional.linear(h, w))
+        out.append({"kernel": f"gemv({name})", **d, "ok": d["rel_l2"] < 1e-2 and bool(torch.equal(got_res, summed))})
+    d = _diff(gemv(x, w)[0], torch.nn.functional.linear(x, w))
+    out.append({"kernel": "gemv(none)", **d, "ok": d["rel_l2"] < 1e-2})
+    wd, gu = randn(hidden, inter, scale=0.02), randn(1, 2 * inter)
+    d = _diff(gemv(gu, wd, prologue=SILU_MUL)[0], torch.nn.functional.linear(ref.silu_mul(gu), wd))
+    out.append({"kernel": "gemv(silu_mul)", **d, "ok": d["rel_l2"] < 1e-2})
+    w8 = quantize_weight(w)
+    d = _diff(gemv(x, w8.weight, scale=w8.scale, prologue=NONE)[0], x.float() @ w8.dequantize(torch.float32).T)
+    out.append({"kernel": "gemv(fp8)", **d, "ok": d["rel_l2"] < 1e-2})
     return out

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.attention import AttentionMetadata
 from runtime.fast_ops import TorchOps, TritonOps, default_ops, rope_tables
-from runtime.fp8 import linear
+from runtime.fp8 import Fp8Weight, linear
 from runtime.fused import FusedWeights, LayerWeights
 from runtime.kv_cache import KVCache
 
@@ -65,14 +65,18 @@ class FastForward:
     """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`, float32 like the model."""
 
     def __init__(
-        self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton"
+        self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
+        one_row_gemv: bool = False,
     ) -> None:
+        """`one_row_gemv`: for one-row steps use the Triton GEMV with the norms / SiLU fused in front
+        (runtime/kernels/gemv.py) instead of cuBLAS + separate ops (CUDA + Triton only)."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
         device, dtype = weights.embed_text.device, weights.embed_text.dtype
         self.ops = ops if ops is not None else default_ops(device)
         self.fp8_small_batch = fp8_small_batch
+        self.one_row_gemv = one_row_gemv and isinstance(self.ops, TritonOps)
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
 
     def decode_num_parts(self, batch: int, max_context: int) -> int:
@@ -96,6 +100,8 @@ class FastForward:
         """One decoder layer; returns (mlp output, residual before it): the layer output is their sum."""
         cfg, ops = self.config, self.ops
         n = x.shape[0]
+        if self.one_row_gemv and n == 1:
+            return self._layer_one_row(layer, x, residual, step, kv_cache)
         h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
         qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
@@ -114,6 +120,28 @@ class FastForward:
         down = self._linear(ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)  # [N, hidden]
         return down, residual
 
+    def _layer_one_row(
+        self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_layer` for a single row: 4 GEMV launches carry the norms, residual adds and SiLU."""
+        from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL
+
+        cfg, ops = self.config, self.ops
+        eps = cfg.rms_norm_eps
+        qkv, residual = _gemv(x, layer.qkv, RMSNORM, residual, layer.input_norm, eps)  # [1, (H+2KV)*D]
+        k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]
+        q = ops.qk_norm_rope_store(
+            qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
+            k_cache, v_cache, cfg.num_attention_heads, cfg.num_key_value_heads, eps,
+        )  # [1, H, D]
+        attn = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
+        o, _ = _gemv(attn.reshape(1, -1), layer.o, NONE)  # [1, hidden]
+        gate_up, residual = _gemv(o, layer.gate_up, RMSNORM, residual, layer.post_norm, eps)  # [1, 2I]
+        down, _ = _gemv(gate_up, layer.down, SILU_MUL)  # [1, hidden]
+        assert residual is not None
+        return down, residual
+
     def _tail(
         self, layers: tuple[LayerWeights, ...], x: torch.Tensor, residual: torch.Tensor | None,
         step: StepInputs, kv_cache: KVCache,
@@ -128,6 +156,10 @@ class FastForward:
         if step.max_query_len != 1:  # only each sequence's last row reaches the head
             x = x.index_select(0, step.logits_indices)
             residual = None if residual is None else residual.index_select(0, step.logits_indices)
+        if self.one_row_gemv and x.shape[0] == 1:
+            from runtime.kernels.gemv import RMSNORM
+
+            return _gemv(x, head, RMSNORM, residual, norm, self.config.rms_norm_eps)[0].float()
         h, _ = self.ops.add_rmsnorm(x, residual, norm, self.config.rms_norm_eps)  # [S, hidden]
         return self._linear(h, head).float()
 
@@ -141,6 +173,19 @@ class FastForward:
         text_logits = self._head(text, text_res, w.text_norm, w.text_head, step)  # [S, Vt]
         audio_logits = self._head(audio, audio_res, w.audio_norm, w.audio_head, step)  # [S, Va]
         return text_logits, audio_logits
+
+
+def _gemv(
+    x: torch.Tensor, w: object, prologue: int, residual: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One-row GEMV on a bf16 or FP8 weight (see runtime/kernels/gemv.py)."""
+    from runtime.kernels.gemv import gemv
+
+    if isinstance(w, Fp8Weight):
+        return gemv(x, w.weight, scale=w.scale, prologue=prologue, residual=residual, norm_weight=norm, eps=eps)
+    assert isinstance(w, torch.Tensor)
+    return gemv(x, w, prologue=prologue, residual=residual, norm_weight=norm, eps=eps)
 
 
 def max_blocks_for(max_model_len: int, block_size: int) -> int:

@@ -17,11 +17,17 @@ import triton
 import triton.language as tl
 
 
+def _dot_precision(q: torch.Tensor) -> str:
+    """float32 inputs multiply in full precision (checks against float32 references), not TF32."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, seq_lens_ptr, scale, max_blocks,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -47,14 +53,14 @@ def _decode_kernel(
         kv_off = slot[:, None] * (NUM_KV * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # [BN, D]
         k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [GP, BN]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
     if NUM_PARTS == 1:
         out = acc / l_i[:, None]
@@ -116,7 +122,8 @@ def paged_decode_attention(
     _decode_kernel[(batch, num_kv, num_parts)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=64, PART=part, NUM_PARTS=num_parts, num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, BLOCK_N=64, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
+        num_warps=4, num_stages=2,
     )
     if num_parts > 1:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
@@ -128,7 +135,7 @@ def paged_decode_attention(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale, max_blocks,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -159,7 +166,7 @@ def _prefill_kernel(
             kv_off = slot[:, None] * (NUM_KV * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
             v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BM, BN]
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
             allowed = nmask[None, :] & (n[None, :] <= q_pos[:, None])
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -167,7 +174,7 @@ def _prefill_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
@@ -188,6 +195,6 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, 1.0 / math.sqrt(head_dim),
         block_tables.shape[1], BLOCK_SIZE=block_size, NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=64, DOT_PREC=_dot_precision(q), num_warps=4, num_stages=2,
     )
     return out

@@ -1,0 +1,199 @@
+"""Helpers of bench/fast_bench.py: timing, rows, block ids, step functions, kernel profiles, GEMV timings."""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import AttentionMetadata
+from runtime.config import MODALITY_PAD_ID, Row
+from runtime.cuda_graph import DecodeGraphRunner
+from runtime.fast_forward import FastForward, StepInputs
+from runtime.fp8 import linear, quantize_weight
+from runtime.kv_cache import KVCache
+from runtime.model import MossSpeechForCausalLM, split_rows
+
+Logits = tuple[torch.Tensor, torch.Tensor]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> dict:
+    """Median / p10 / p90 of `reps` CUDA-event-timed calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    samples.sort()
+    return {"median_ms": round(statistics.median(samples), 4), "p10_ms": round(samples[len(samples) // 10], 4),
+            "p90_ms": round(samples[min(len(samples) - 1, math.ceil(0.9 * len(samples)) - 1)], 4)}
+
+
+def copy_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:
+    """Device-to-device copy rate, bytes read + written (the memory roofline of this run)."""
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), 3, 20)["median_ms"]
+    return 2 * n * 2 / (t / 1e3) / 1e9
+
+
+def make_rows(length: int, seed: int) -> list[Row]:
+    gen = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, 151643, (length,), generator=gen).tolist()
+    audio = torch.randint(0, 16384, (length,), generator=gen).tolist()
+    return [(MODALITY_PAD_ID, a) if i % 3 == 2 else (t, 512) for i, (t, a) in enumerate(zip(text, audio))]
+
+
+class Blocks:
+    """Sequential block ids."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
+
+    def take(self, positions: int, block_size: int) -> list[int]:
+        n = math.ceil(positions / block_size)
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+
+def plain_inputs(rows: list[Row], work: list[tuple[int, int, list[int]]], block_size: int, device: torch.device):
+    """work = (query_len, seq_len, table) per sequence; rows are the N new rows."""
+    tokens, is_audio = split_rows(rows)
+    attn = AttentionMetadata.build([w[0] for w in work], [w[1] for w in work], [w[2] for w in work],
+                                   block_size, device)
+    return tokens.to(device), is_audio.to(device), attn.positions(device), attn
+
+
+def greedy(step: Callable[[list[Row], int], tuple[torch.Tensor, torch.Tensor]], prompt: list[Row], n: int):
+    rows = list(prompt)
+    text, audio = step(rows, len(rows))
+    for i in range(n):
+        a = int(audio[0].argmax())
+        rows.append((MODALITY_PAD_ID, a) if i % 2 == 0 else (int(text[0].argmax()), a))
+        text, audio = step(rows, 1)
+    return rows[len(prompt):]
+
+
+def logit_compare(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """Top-1 agreement and max |log p| difference per head (b is the reference)."""
+    res = {}
+    for name, x, y in (("text", a[0], b[0]), ("audio", a[1], b[1])):
+        lx, ly = x.float().log_softmax(-1), y.float().log_softmax(-1)
+        res[name] = {"top1_agree": float((x.argmax(-1) == y.argmax(-1)).float().mean()),
+                     "max_abs_logprob_diff": float((lx - ly).abs().max()),
+                     "max_abs_logit_diff": float((x - y).abs().max()), "rows": int(x.shape[0])}
+    return res
+
+
+
+def plain_stepper(model: MossSpeechForCausalLM, cache: KVCache, table: list[int]):
+    """step(rows, n) through the plain model: the last n rows are new."""
+    bs, device = cache.block_size, cache.k.device
+
+    def step(rows: list[Row], n: int) -> Logits:
+        tok, aud, pos, attn = plain_inputs(rows[len(rows) - n:], [(n, len(rows), table)], bs, device)
+        return model(tok, aud, pos, cache, attn)
+    return step
+
+
+def graph_stepper(fast: FastForward, runner: DecodeGraphRunner, cache: KVCache, table: list[int]):
+    """step(rows, n): prefill through the fast path (eager), decode rows through the graph runner."""
+    bs, device = cache.block_size, cache.k.device
+
+    def step(rows: list[Row], n: int) -> Logits:
+        tok, aud, pos, attn = plain_inputs(rows[len(rows) - n:], [(n, len(rows), table)], bs, device)
+        if n > 1:
+            return fast(StepInputs.from_metadata(tok, aud, pos, attn), cache)
+        tables = torch.tensor([table], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([len(rows)], dtype=torch.int32, device=device)
+        return runner.run(tok, aud, pos, attn.slot_mapping, tables, seq_lens)
+    return step
+
+
+def greedy_report(want: list[Row], got: list[Row]) -> dict:
+    return {"steps": len(want), "plain": want, "fast": got, "equal": want == got,
+            "first_mismatch": next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), None)}
+
+
+def kernel_table(fn: Callable[[], object], steps: int = 3, top: int = 16) -> dict:
+    """GPU time per step by kernel name (torch.profiler / CUPTI), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        rows.append({"name": e.key[:100], "us_per_step": round(t / steps, 1), "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"total_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "launches_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
+
+
+def graph_us_per_call(calls: list[Callable[[], object]]) -> float:
+    """Capture the calls back to back in one CUDA graph; replay time / number of calls, in us."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return time_ms(graph.replay, 3, 20)["median_ms"] * 1e3 / len(calls)
+
+
+def gemv_microbench(device: torch.device) -> list[dict]:
+    """One-row products per matrix shape inside CUDA graphs (weights rotated so L2 holds none of them)."""
+    from runtime.kernels.gemv import gemv
+
+    out = []
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+              "text_head": (151680, 4096)}
+    for name, (n, k) in shapes.items():
+        copies = 2 if n > 100000 else 4
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        w8s = [quantize_weight(w) for w in ws]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        calls = 4 * copies
+        kinds = {
+            "bf16_cublas": ([functools.partial(F.linear, x, ws[i % copies]) for i in range(calls)], 2),
+            "bf16_triton_gemv": ([functools.partial(gemv, x, ws[i % copies]) for i in range(calls)], 2),
+            "fp8_triton_gemv": ([functools.partial(gemv, x, w8s[i % copies].weight, scale=w8s[i % copies].scale)
+                                 for i in range(calls)], 1),
+            "fp8_triton_dot": ([functools.partial(linear, x, w8s[i % copies], small_batch_kernel="triton")
+                                for i in range(calls)], 1),
+            "fp8_scaled_mm": ([functools.partial(linear, x, w8s[i % copies], small_batch_kernel="scaled_mm")
+                               for i in range(calls)], 1),
+        }
+        row: dict = {"matrix": name, "n": n, "k": k}
+        for kind, (fns, elem) in kinds.items():
+            try:
+                us = graph_us_per_call(fns)
+                row[kind] = {"us": round(us, 1), "gbps": round(n * k * elem / (us / 1e6) / 1e9, 1)}
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON
+                row[kind] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        out.append(row)
+        del ws, w8s
+    return out
