@@ -86,8 +86,8 @@ class FlowDecoder(nn.Module):
         self.encoder = CodeEncoder(cfg.encoder)
         self.spk_affine = nn.Linear(SPEAKER_EMBED_DIM, NUM_MELS)
         self.estimator = FlowEstimator(cfg.estimator)
-        steps = torch.linspace(0.0, 1.0, cfg.num_steps + 1, dtype=torch.float64)
-        self.t_span = [float(v) for v in 1.0 - torch.cos(steps * math.pi / 2)]  # cosine schedule
+        # cosine schedule: t_k = 1 - cos(pi/2 * k/K)
+        self.t_span = [1.0 - math.cos(math.pi / 2 * k / cfg.num_steps) for k in range(cfg.num_steps + 1)]
 
     @property
     def num_branches(self) -> int:
