@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# End-to-end benchmark on ONE H200: Serve (config/serve-h200.yaml: full-shape LLM with random weights +
+# full vocoder, fractional GPUs of one card) driven through HTTP by bench/client.py at concurrency
+# 1, 8, 64, 128, 256 with a 512-token prompt and a fixed generation length; then the same workload in
+# process (bench/pipeline.py, no Ray) to separate engine time from serving overhead.
+# Everything stays on 127.0.0.1. Results (JSON, PNG, logs, the exact commands) go to $OUT.
+#
+#   bash bench/h200_e2e.sh               # GPU machine, from the repo root; stops within ~8 minutes
+#   bash bench/h200_e2e.sh --cpu-smoke   # same steps on CPU with config/serve.yaml and tiny sizes
+#
+# On the GPU machine Ray comes from the wheels of ../shared/tools/device-ray-wheels.sh: if `import ray`
+# fails and /tmp/rayparts holds the parts, this script assembles and installs them into /tmp/site.
+# Knobs (environment): OUT, BUDGET_S (total seconds, default 470), MAX_NEW_TOKENS, PROMPT_TOKENS,
+# LEVELS, REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=gpu
+[ "${1:-}" = "--cpu-smoke" ] && MODE=cpu
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
+OUT=${OUT:-/tmp/h200_e2e_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-470}
+if [ "$MODE" = gpu ]; then
+  PY=${PYTHON:-python3}
+  CONFIG=config/serve-h200.yaml
+  PROMPT_TOKENS=${PROMPT_TOKENS:-512}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-100}
+  LEVELS=${LEVELS:-1,8,64,128,256}; REQUESTS=${REQUESTS:-6,16,64,128,256}; WARMUP=2
+  PIPE_LEVELS=${PIPE_LEVELS:-1,8,64,256}; PIPE_REQUESTS=${PIPE_REQUESTS:-4,16,64,256}
+  PIPE_MODEL=(--preset full --random-weights --device cuda)
+  SERVE_CAP=240; PIPE_CAP=170
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  PY=${PYTHON:-.venv/bin/python}
+  CONFIG=config/serve.yaml
+  PROMPT_TOKENS=${PROMPT_TOKENS:-200}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-8}
+  LEVELS=${LEVELS:-1,2}; REQUESTS=${REQUESTS:-2,2}; WARMUP=1
+  PIPE_LEVELS=${PIPE_LEVELS:-1,2}; PIPE_REQUESTS=${PIPE_REQUESTS:-2,2}
+  PIPE_MODEL=(--preset tiny --device cpu)
+  SERVE_CAP=150; PIPE_CAP=150
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/log.txt"; }
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+cap() { local want=$1 rest; rest=$(( $(left) - 25 )); [ "$rest" -lt "$want" ] && want=$rest; [ "$want" -lt 1 ] && want=1; echo "$want"; }
+record() { printf '%q ' "$@" >> "$OUT/commands.txt"; echo >> "$OUT/commands.txt"; }  # exact, shell-quoted
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+echo "# from the repo root, with: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled" \
+  "RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=$PYTHONPATH" > "$OUT/commands.txt"
+log "mode=$MODE config=$CONFIG out=$OUT budget=${BUDGET_S}s"
+
+# Ray on the GPU machine: assemble the carried wheel parts once (see device-ray-wheels.sh).
+if ! "$PY" -c 'import ray' 2>/dev/null && ls /tmp/rayparts/ray.part.* >/dev/null 2>&1; then
+  log "installing Ray from /tmp/rayparts into /tmp/site"
+  cat /tmp/rayparts/ray.part.* > /tmp/rayparts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+  rm -f /tmp/rayparts/ray.part.*
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/rayparts/*.whl \
+    >> "$OUT/log.txt" 2>&1 || log "pip install failed"
+fi
+if ! "$PY" -c 'import ray, ray.serve, httpx, yaml, numpy, torch' 2>> "$OUT/log.txt"; then
+  log "FATAL: missing packages (see log.txt). bench/client.py needs httpx: carry its wheels with"
+  log "  bash ../shared/tools/device-ray-wheels.sh httpx==0.28.1 httpcore==1.0.9 h11==0.16.0"
+  exit 2
+fi
+PLOT=1
+"$PY" -c 'import matplotlib' 2>/dev/null || { PLOT=0; log "no matplotlib here: PNGs skipped (replot: python bench/measure.py X.json X.png)"; }
+{
+  echo "date: $(date -u +%FT%TZ)"; echo "python: $("$PY" -V 2>&1)"
+  "$PY" -c 'import torch, ray; print("torch", torch.__version__, "cuda", torch.version.cuda, "ray", ray.__version__)'
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)"; nproc
+} > "$OUT/env.txt" 2>&1
+cp "$CONFIG" "$OUT/serve-config.yaml"
+
+GPU_LOG_PID=""
+if [ "$MODE" = gpu ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -l 2 \
+    > "$OUT/gpu_samples.csv" 2>&1 &
+  GPU_LOG_PID=$!
+fi
+SERVE_PID=""
+stop_serve() {
+  [ -z "$SERVE_PID" ] && return
+  kill -TERM "$SERVE_PID" 2>/dev/null
+  for _ in $(seq 1 40); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
+  kill -0 "$SERVE_PID" 2>/dev/null && { log "serve_app did not stop in 20 s: SIGKILL"; kill -KILL "$SERVE_PID"; }
+  wait "$SERVE_PID" 2>/dev/null
+  SERVE_PID=""
+}
+cleanup() { stop_serve; [ -n "$GPU_LOG_PID" ] && kill "$GPU_LOG_PID" 2>/dev/null; log "done"; }
+trap cleanup EXIT
+
+# ---- 1. Serve on 127.0.0.1, then the HTTP client at every concurrency level ----
+HTTP_PORT=$(free_port); METRICS_PORT=$(free_port)
+SERVE_CMD=("$PY" bench/serve_app.py --config "$CONFIG" --port "$HTTP_PORT" --metrics-port "$METRICS_PORT"
+           --ready-file "$OUT/serve_ready.json")
+[ "$MODE" = cpu ] && SERVE_CMD+=(--num-cpus 2)
+record "${SERVE_CMD[@]}"
+log "starting Serve: ${SERVE_CMD[*]}"
+"${SERVE_CMD[@]}" > "$OUT/serve_app.log" 2>&1 &
+SERVE_PID=$!
+READY_BY=$(( $(date +%s) + $(cap $SERVE_CAP) ))
+until [ -s "$OUT/serve_ready.json" ]; do
+  if ! kill -0 "$SERVE_PID" 2>/dev/null || [ "$(date +%s)" -ge "$READY_BY" ]; then
+    log "FATAL: Serve did not become ready; tail of serve_app.log:"; tail -n 40 "$OUT/serve_app.log"
+    exit 3
+  fi
+  sleep 1
+done
+URL="http://127.0.0.1:$HTTP_PORT"
+log "Serve ready: $(cat "$OUT/serve_ready.json")"
+"$PY" - "$URL" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
+import sys, httpx
+print("health:", httpx.get(sys.argv[1] + "/health", timeout=10).text)
+EOF
+
+CLIENT_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LEVELS" --requests "$REQUESTS"
+            --warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$MAX_NEW_TOKENS"
+            --fixed-length --response-format pcm --server-summary --timeout 300
+            --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
+[ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
+record "${CLIENT_CMD[@]}"
+T_CLIENT=$(cap 400)
+log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
+timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
+log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
+
+"$PY" - "$URL" "$METRICS_PORT" "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
+import sys, httpx
+url, port, out = sys.argv[1], sys.argv[2], sys.argv[3]
+open(f"{out}/admin_stats.json", "w").write(httpx.get(url + "/admin/stats", timeout=30).text)
+text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+open(f"{out}/server_metrics.prom", "w").write("\n".join(l for l in text.splitlines() if "moss_" in l) + "\n")
+print("saved admin_stats.json and the moss_* lines of the metrics scrape")
+EOF
+SESSION_DIR=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("session_dir") or "")' \
+  "$OUT/serve_ready.json")
+log "stopping Serve"
+stop_serve
+if [ -n "$SESSION_DIR" ] && [ -d "$SESSION_DIR/logs/serve" ]; then   # this run's Ray only
+  mkdir -p "$OUT/serve_logs"
+  for f in "$SESSION_DIR"/logs/serve/*.log; do tail -n 100 "$f" > "$OUT/serve_logs/$(basename "$f")"; done
+fi
+
+# ---- 2. The same workload in process (no Ray, no HTTP), with the engine settings of the config ----
+PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concurrency "$PIPE_LEVELS"
+          --requests "$PIPE_REQUESTS" --warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS"
+          --max-new-tokens "$MAX_NEW_TOKENS" --fixed-length --label "$MODE in-process $CONFIG"
+          --out "$OUT/pipeline.json")
+[ "$PLOT" = 1 ] && PIPE_CMD+=(--plot "$OUT/pipeline.png")
+T_PIPE=$(cap $PIPE_CAP)
+if [ "$T_PIPE" -lt 40 ]; then
+  log "skipping pipeline.py: only ${T_PIPE}s left"
+else
+  record "${PIPE_CMD[@]}"
+  log "pipeline (timeout ${T_PIPE}s): ${PIPE_CMD[*]}"
+  timeout --kill-after=10 "$T_PIPE" "${PIPE_CMD[@]}" > "$OUT/pipeline_stdout.txt" 2> "$OUT/pipeline_stderr.txt"
+  log "pipeline exit $?"
+fi
+
+# ---- 3. One-line digest per level (p50/p99 in ms) ----
+"$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/digest.txt"
+import json, os, sys
+out = sys.argv[1]
+for name in ("client_closed.json", "pipeline.json"):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        print(f"{name}: missing"); continue
+    s = json.load(open(path))
+    print(f"{name}: complete={s['complete']} {s.get('device_name', '')}")
+    for lv in s["levels"]:
+        ms = lambda d, q: "-" if d[q] is None else f"{d[q] * 1000:.0f}"
+        print(f"  c={lv['concurrency']:>4} ok={lv['num_ok']}/{lv['num_requests']} errors={lv['errors']} "
+              f"ttfa p50/p99={ms(lv['ttfa_s'], 'p50')}/{ms(lv['ttfa_s'], 'p99')} "
+              f"gap p50/p99={ms(lv['chunk_gap_s'], 'p50')}/{ms(lv['chunk_gap_s'], 'p99')} "
+              f"rtf p50={lv['rtf']['p50'] and round(lv['rtf']['p50'], 3)} "
+              f"audio_s/wall_s={lv['audio_s_per_wall_s'] and round(lv['audio_s_per_wall_s'], 2)} "
+              f"underruns={lv['underruns']['total']} codes={lv['num_audio_codes_seen']} "
+              f"prompt={lv['num_prompt_tokens_seen']}")
+EOF
+log "total $(( $(date +%s) - T0 ))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
