@@ -359,25 +359,30 @@ class Engine:
     def _run_loop(self) -> None:
         while True:
             self._wakeup.wait()
-            with self._lock:
-                if self._is_shut_down:
-                    return
-                if not self.core.has_work:
-                    self._wakeup.clear()
-                    continue
-                events, out, inp = self.core.begin_step()
-                self._deliver(events)
-            if inp is None:
-                time.sleep(0.001)  # only queue expiries happened; do not spin
-                continue
-            start = time.perf_counter()
             try:
-                sampled = self.core.runner.execute(inp)
-            except Exception as exc:  # a failed forward must not leave streams hanging
+                if not self._run_one_step():
+                    return
+            except Exception as exc:  # a failed step must not leave streams hanging
                 logger.exception("engine step failed; failing every in-flight request")
                 with self._lock:
                     self._deliver(self.core.fail_all(f"engine step failed: {exc!r}"))
-                continue
-            step_s = time.perf_counter() - start
-            with self._lock:
-                self._deliver(self.core.end_step(out, sampled, step_s))
+
+    def _run_one_step(self) -> bool:
+        """Schedule and record under the lock, forward without it; False once shut down."""
+        with self._lock:
+            if self._is_shut_down:
+                return False
+            if not self.core.has_work:
+                self._wakeup.clear()
+                return True
+            events, out, inp = self.core.begin_step()
+            self._deliver(events)
+        if inp is None:
+            time.sleep(0.001)  # only queue expiries happened; do not spin
+            return True
+        start = time.perf_counter()
+        sampled = self.core.runner.execute(inp)
+        step_s = time.perf_counter() - start
+        with self._lock:
+            self._deliver(self.core.end_step(out, sampled, step_s))
+        return True

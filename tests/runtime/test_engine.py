@@ -297,6 +297,33 @@ def test_async_stream_matches_reference(model: MossSpeechForCausalLM) -> None:
     assert events[-1] == Finished("length", 12, 8, 8, 0)
 
 
+def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpeechForCausalLM) -> None:
+    rows = prompt(random.Random(12), 6, audio_out=True)
+
+    async def main() -> tuple[list[Event], list[Event], int]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        execute = engine.core.runner.execute
+        failures = [RuntimeError("boom")]
+
+        def fail_once(inp: object) -> object:
+            if failures:
+                raise failures.pop()
+            return execute(inp)  # type: ignore[arg-type]
+
+        engine.core.runner.execute = fail_once  # type: ignore[method-assign]
+        failed = [e async for e in engine.generate(GenerationRequest("f", rows, GREEDY, GREEDY, max_new_tokens=3))]
+        used = engine.stats().num_blocks_used
+        again = GenerationRequest("g", rows, GREEDY, GREEDY, max_new_tokens=3, min_new_tokens=3)
+        after = [e async for e in engine.generate(again)]
+        await engine.shutdown()
+        return failed, after, used
+
+    failed, after, used = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert failed == [Finished("error", 6, 0, 0, 0, "engine step failed: RuntimeError('boom')")]
+    assert used == 0
+    assert after[-1] == Finished("length", 6, 3, 3, 0)
+
+
 def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM) -> None:
     small = dataclasses.replace(CONFIG, num_shared_layers=1)
     engine_model = build_model(small, seed=1)
