@@ -305,6 +305,8 @@ class Engine:
 
         Closing or cancelling the iterator before `Finished` aborts the request.
         """
+        if not isinstance(request, GenerationRequest):
+            raise InvalidRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._is_shut_down:
