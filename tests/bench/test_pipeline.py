@@ -1,0 +1,70 @@
+"""bench/pipeline.py in process on the tiny presets, and the GPU benchmark config it shares with Serve."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.measure import requests_per_level, summarize
+from bench.pipeline import build, parse_args, settings_from_config
+from deployments.app import GpuUnavailableError, check_gpus
+from deployments.args import AppArgs
+from runtime.engine import EngineConfig
+
+CODES = 6
+
+
+def test_tiny_pipeline_yields_exactly_the_codes_as_pcm_and_times_them_after_the_engine() -> None:
+    args = parse_args(["--preset", "tiny", "--device", "cpu", "--kv-cache-bytes", str(16 * 2**20),
+                       "--max-num-running", "4"])
+
+    async def go() -> list:
+        pipeline, settings = build(args)
+        assert settings["engine"] == {"model": "tiny", "device": "cpu", "kv_cache_bytes": 16 * 2**20,
+                                      "max_num_running": 4}
+        assert settings["vocoder"] == {"preset": "tiny", "device": "cpu", "max_batch_size": 32}
+        try:
+            def make() -> object:
+                return pipeline.request("Hi there", max_new_tokens=CODES, min_new_tokens=CODES, seed=1,
+                                        temperature=None)
+            results, wall_s = await pipeline.closed_loop(make, 2, 3)
+        finally:
+            await pipeline.batcher.shutdown()
+            await pipeline.engine.shutdown()
+        assert wall_s > 0
+        return results
+
+    results = asyncio.run(go())
+    assert [(r.status, r.error, r.num_audio_codes) for r in results] == [(200, None, CODES)] * 3
+    for r in results:
+        assert r.num_samples == CODES * 1920
+        assert 0 < r.first_codes_s <= r.ttfa_s <= r.e2e_s
+        assert len(r.chunk_gaps_s) == r.num_chunks - 1
+    summary = summarize(results, 1.0, concurrency=2)
+    assert (summary["num_ok"], summary["num_audio_codes_seen"], summary["first_codes_s"]["count"]) == (3, [CODES], 3)
+
+
+def test_requests_per_level_accepts_one_count_or_one_per_level() -> None:
+    assert requests_per_level([1, 8, 64], None) == [8, 16, 128]
+    assert requests_per_level([1, 8], "5") == [5, 5]
+    assert requests_per_level([1, 8], "4,16") == [4, 16]
+    with pytest.raises(ValueError, match="one per level"):
+        requests_per_level([1, 8, 64], "4,16")
+
+
+def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_settings() -> None:
+    path = REPO / "config" / "serve-h200.yaml"
+    app_args = AppArgs.model_validate(yaml.safe_load(path.read_text())["applications"][0]["args"])
+    EngineConfig(**app_args.engine)
+    check_gpus(app_args, gpus_available=1.0)
+    with pytest.raises(GpuUnavailableError):
+        check_gpus(app_args, gpus_available=0.0)
+    engine, vocoder = settings_from_config(str(path))
+    assert engine == app_args.engine and engine["model"] == "full" and engine["device"] == "cuda"
+    assert vocoder == {"preset": "full", "device": "cuda", "dtype": "float16", "seed": 0, "max_batch_size": 128}
