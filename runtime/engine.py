@@ -54,6 +54,7 @@ class EngineConfig:
     debug_checks: bool = False
     weights_seed: int = 0
     queue_timeout_s: float = 300.0  # a request waiting longer ends with Finished("error")
+    fast_path: bool = False  # fused weights + fused ops; decode steps in CUDA graphs on CUDA
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -152,7 +153,10 @@ class EngineCore:
         )
         self.block_manager = BlockManager(kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
-        self.runner = ModelRunner(model, kv_cache)
+        self.runner = ModelRunner(
+            model, kv_cache, fast_path=config.fast_path, max_model_len=config.max_model_len,
+            max_num_running=config.max_num_running,
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0
 

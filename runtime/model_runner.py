@@ -2,9 +2,15 @@
 
 `prepare` reads the sequences (block tables, rows) and builds every tensor the step needs, so
 the engine can run it under its lock and then `execute` the forward without it.
+
+Two forward paths compute the same function: the plain `model.forward` (default), and with
+`fast_path` the fused-weight `FastForward` (runtime/fast_forward.py), whose decode-only steps go
+through `DecodeGraphRunner` (CUDA graphs per batch-size bucket on CUDA, the same padded eager
+call elsewhere).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +39,25 @@ class ModelInput:
 class ModelRunner:
     """Owns the model and the KV cache tensors; runs one scheduled step at a time."""
 
-    def __init__(self, model: MossSpeechForCausalLM, kv_cache: KVCache) -> None:
+    def __init__(
+        self, model: MossSpeechForCausalLM, kv_cache: KVCache, *, fast_path: bool = False,
+        max_model_len: int = 4096, max_num_running: int = 64,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
+        self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph"
+        self.fast = None
+        self.graphs = None
+        if fast_path:
+            from runtime.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
+            from runtime.fast_forward import FastForward
+            from runtime.fused import fuse_model_weights
+
+            self.fast = FastForward(fuse_model_weights(model))
+            buckets = sorted({b for b in DEFAULT_BUCKETS if b < max_num_running} | {max_num_running})
+            self.graphs = DecodeGraphRunner(self.fast, kv_cache, max_model_len=max_model_len, buckets=buckets)
+            self.graphs.capture()  # no-op off CUDA
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled chunks (rows grouped by sequence, in chunk order)."""
@@ -74,7 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> dict[str, Row]:
         """Forward the batch, then sample one row for each sequence that completed its known rows."""
-        text_logits, audio_logits = self.model(inp.tokens, inp.is_audio, inp.positions, self.kv_cache, inp.attn)
+        text_logits, audio_logits = self._forward(inp)  # [S, Vt], [S, Va]
         if not inp.samplers:
             return {}
         text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
@@ -85,3 +106,28 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[str, Row]:
         """`prepare` then `execute`; returns the sampled row per request id."""
         return self.execute(self.prepare(out))
+
+    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = inp.attn
+        if self.fast is None or self.graphs is None:
+            self.num_steps_by_path["plain"] += 1
+            return self.model(inp.tokens, inp.is_audio, inp.positions, self.kv_cache, attn)
+        from runtime.fast_forward import StepInputs
+
+        batch = len(attn.query_lens)
+        if max(attn.query_lens) == 1 and batch <= self.graphs.max_batch:
+            self.num_steps_by_path["graph"] += 1
+            width = max(len(t) for t in attn.block_tables)
+            tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32
+            )  # [S, W]
+            seq_lens = torch.tensor(attn.seq_lens, dtype=torch.int32)  # [S]
+            # Views of the graph's static outputs: `execute` copies what it needs before the next step.
+            return self.graphs.run(
+                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, tables.to(self.device),
+                seq_lens.to(self.device),
+            )
+        self.num_steps_by_path["fast"] += 1
+        num_parts = self.fast.decode_num_parts(batch, max(attn.seq_lens)) if max(attn.query_lens) == 1 else 1
+        step = StepInputs.from_metadata(inp.tokens, inp.is_audio, inp.positions, attn, num_parts=num_parts)
+        return self.fast(step, self.kv_cache)

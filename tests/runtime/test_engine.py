@@ -42,12 +42,12 @@ def prompt(rng: random.Random, length: int, audio_out: bool) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-_REFERENCE: dict[tuple[int, GenerationRequest], tuple[list[Row], RequestSampler]] = {}
+_REFERENCE: dict[tuple[MossSpeechForCausalLM, GenerationRequest], tuple[list[Row], RequestSampler]] = {}
 
 
 def reference_rows(model: MossSpeechForCausalLM, request: GenerationRequest) -> tuple[list[Row], RequestSampler]:
     """No cache, no batching: full forward over all rows so far, sample the last position (memoised)."""
-    key = (id(model), request)
+    key = (model, request)  # the dict keeps the model alive, so its identity is never reused
     if key not in _REFERENCE:
         _REFERENCE[key] = _reference_rows(model, request)
     return _REFERENCE[key]
@@ -126,6 +126,23 @@ def test_eight_staggered_requests_match_reference(model: MossSpeechForCausalLM) 
         assert generated(seq) == ref, request.request_id
         check_events(events[request.request_id], sampler, seq, "stop" if is_stop_row(ref[-1]) else "length")
     assert core.stats().num_blocks_used == 0
+
+
+def test_fast_path_matches_reference() -> None:
+    plain = build_model(CONFIG, seed=0)
+    fused = build_model(CONFIG, seed=0)  # fusing rewrites the model's parameters as views
+    rng = random.Random(13)
+    requests = [
+        GenerationRequest(f"f{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY, max_new_tokens=5)
+        for i in range(3)
+    ]
+    core = EngineCore(fused, Tokenizer.tiny(), engine_config(fast_path=True, max_num_running=2,
+                                                             max_num_batched_tokens=8))
+    seqs, _ = run_core(core, {0: requests[:2], 2: requests[2:]})
+    for request in requests:
+        assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
+    paths = core.runner.num_steps_by_path
+    assert paths["graph"] > 0 and paths["fast"] > 0 and paths["plain"] == 0
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
