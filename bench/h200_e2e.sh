@@ -85,8 +85,8 @@ SERVE_PID=""
 stop_serve() {
   [ -z "$SERVE_PID" ] && return
   kill -TERM "$SERVE_PID" 2>/dev/null
-  for _ in $(seq 1 40); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
-  kill -0 "$SERVE_PID" 2>/dev/null && { log "serve_app did not stop in 20 s: SIGKILL"; kill -KILL "$SERVE_PID"; }
+  for _ in $(seq 1 60); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.5; done
+  kill -0 "$SERVE_PID" 2>/dev/null && { log "serve_app did not stop in 30 s: SIGKILL"; kill -KILL "$SERVE_PID"; }
   wait "$SERVE_PID" 2>/dev/null
   SERVE_PID=""
 }
@@ -123,7 +123,7 @@ CLIENT_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LEVELS" --request
             --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
 [ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
 record "${CLIENT_CMD[@]}"
-T_CLIENT=$(cap 400)
+T_CLIENT=$(cap $(( $(left) - PIPE_CAP - 30 )))  # leave Serve's shutdown and the in-process run their share
 log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
 timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
 log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
