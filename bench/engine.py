@@ -2,6 +2,7 @@
 
     python bench/engine.py --preset tiny --device cpu
     python bench/engine.py --preset full --random-weights --device cuda --dtype bfloat16
+    python bench/engine.py --preset full --random-weights --device cuda --fast   # + the fast path (docs/gpu.md)
 
 Outputs are verified before anything is timed (paged logits == no-cache reference, finite logits, greedy
 tokens reproducible); then the script prints ONE JSON line. Decode rows report achieved GB/s (weight
@@ -9,7 +10,10 @@ bytes read per step / step time) against the device's memory-bandwidth roofline 
 
 To add a faster variant (CUDA graphs, a Triton attention kernel, FP8 weights), register a function in
 `VARIANTS` that returns a `step(attn) -> logits` callable for a prepared decode batch; each variant
-becomes extra rows in "decode" with its own "variant" name.
+becomes extra rows in "decode" with its own "variant" name. `--fast` adds, on the same model in the same
+run, everything in bench/fast_bench.py (copy-bandwidth roofline, Triton kernel checks, float32 and bf16
+greedy equality, decode CUDA graphs bf16/FP8, prefill, FP8 drift, the 24 GB profile) under "fast_path",
+and the issue's targets against the measurements under "done_when".
 """
 from __future__ import annotations
 
@@ -218,7 +222,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="default 30 on cuda, 5 on cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also append the JSON line to this file")
+    p.add_argument("--fast", action="store_true",
+                   help="cuda: also measure the fast path (bench/fast_bench.py) on the same model in the same run")
+    p.add_argument("--fast-batch-sizes", default="1,8,32,64,128")
+    p.add_argument("--max-model-len", type=int, default=1024, help="fast path: block-table width of the graphs")
+    p.add_argument("--skip-24gb-profile", action="store_true")
     args = p.parse_args(argv)
+    if args.fast and not args.device.startswith("cuda"):
+        p.error("--fast needs a cuda device (Triton kernels, CUDA graphs)")
     if args.preset == "full" and not args.random_weights:
         p.error("--preset full needs --random-weights (this benchmark never reads a checkpoint)")
     return args
@@ -302,6 +313,18 @@ def main(argv: list[str]) -> dict:
                     "tflops_roofline_fraction": round(tflops / peak_tflops, 3) if peak_tflops else None},
         "decode": decode_rows,
     }
+    if args.fast:
+        from bench.fast_bench import run_fast, summarize
+
+        del cache
+        torch.cuda.empty_cache()
+        fast_args = argparse.Namespace(
+            batch_sizes=args.fast_batch_sizes, context_len=args.context_len, prompt_len=args.prompt_len,
+            block_size=block, max_model_len=args.max_model_len, reps=reps, skip_profile=args.skip_24gb_profile,
+        )
+        result["fast_path"] = run_fast(model, fast_args)
+        result["done_when"] = summarize(result["fast_path"])
+        print(json.dumps(result["done_when"], indent=1), file=sys.stderr)
     line = json.dumps(result)
     print(line)
     if args.out is not None:

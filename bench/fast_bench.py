@@ -78,7 +78,7 @@ def float32_checks(model: MossSpeechForCausalLM, ops: TritonOps, prompt: list, b
     return out, ref
 
 
-def main(argv: list[str]) -> dict:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--batch-sizes", default="1,8,32,64,128")
     p.add_argument("--context-len", type=int, default=512)
@@ -88,16 +88,33 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--skip-profile", action="store_true")
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
-    device = torch.device("cuda")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> dict:
+    """Standalone: build the full random-weight model in bf16 and run `run_fast`."""
+    args = parse_args(argv)
+    model = build_model(ModelConfig.preset("full"), seed=0, device=torch.device("cuda"), dtype=torch.bfloat16)
+    result = {"bench": "fast_path", "command": shlex.join(["python", "bench/fast_bench.py", *argv]),
+              **run_fast(model, args)}
+    line = json.dumps(result)
+    print(line)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
+    """Every fast-path measurement on `model` (full shape, bf16, on cuda; its QKV / gate-up get fused)."""
+    device = model.text_lm_head.weight.device
     bf16 = torch.bfloat16
-    result: dict = {"bench": "fast_path", "command": shlex.join(["python", "bench/fast_bench.py", *argv]),
-                    "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    result: dict = {"device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
     copy_gbps = copy_bandwidth_gbps(device)
     result["copy_gbps"] = round(copy_gbps, 1)
     log(f"copy bandwidth {copy_gbps:.0f} GB/s")
 
-    if not args.skip_profile:  # first, while this process holds almost no GPU memory
+    if not args.skip_profile:
         proc = subprocess.run([sys.executable, str(Path(__file__).with_name("profile_24gb.py"))],
                               capture_output=True, text=True, timeout=300, check=False)
         sys.stderr.write(proc.stderr[-3000:])
@@ -116,10 +133,9 @@ def main(argv: list[str]) -> dict:
     fp8_small = "scaled_mm" if "fp8_gemv" in failed else "triton"
     use_gemv = "one_row_gemv" not in failed
 
-    config = ModelConfig.preset("full")
+    config = model.config
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     bs = args.block_size
-    model = build_model(config, seed=0, device=device, dtype=bf16)
     prompt = make_rows(args.prompt_len, 1)
     result["greedy_float32"], ref32 = float32_checks(model, ops, prompt, bs)
 
@@ -132,7 +148,7 @@ def main(argv: list[str]) -> dict:
     fast = FastForward(weights, ops)
     fast_g = FastForward(weights, ops, one_row_gemv=use_gemv)
     result["weight_matrix_bytes_bf16"] = weights.matrix_bytes()
-    log(f"model built; matrices {weights.matrix_bytes() / 1e9:.2f} GB; cache {num_blocks} blocks")
+    log(f"model ready; matrices {weights.matrix_bytes() / 1e9:.2f} GB; cache {num_blocks} blocks")
 
     # --- bf16: prefill logits vs the float32 reference, greedy tokens fast vs plain ---
     blocks = Blocks()
@@ -167,7 +183,7 @@ def main(argv: list[str]) -> dict:
     # --- decode timings ---
     ctx = args.context_len
     fp8_weights = with_fp8(weights, "all")
-    fast8 = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small)
+    fast8 = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row_gemv=False)
     fast8_g = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row_gemv=use_gemv)
     runner8 = DecodeGraphRunner(fast8, cache, max_model_len=args.max_model_len, buckets=batch_sizes)
     runner8_g = DecodeGraphRunner(fast8_g, cache, max_model_len=args.max_model_len, buckets=[1])
@@ -239,12 +255,45 @@ def main(argv: list[str]) -> dict:
     result["gemv_1row_in_graph"] = gemv_microbench(device)
     for row in result["gemv_1row_in_graph"]:
         log(f"gemv {json.dumps(row)}")
-    line = json.dumps(result)
-    print(line)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+TARGETS_MS = {"decode_bf16_b1": 4.6, "decode_bf16_b64": 6.0, "decode_bf16_b128": 8.0, "prefill_512": 15.0,
+              "decode_fp8_b1": 2.6}
+
+
+def summarize(fast: dict) -> dict:
+    """The issue's "done when" lines from one `run_fast` result: measured vs target, baseline beside."""
+    out: dict = {"copy_gbps": fast["copy_gbps"]}
+    by_batch = {e["batch"]: e for e in fast["decode"]}
+
+    def best(entry: dict, names: tuple[str, ...]) -> tuple[str, dict]:
+        name = min((n for n in names if n in entry), key=lambda n: entry[n]["median_ms"])
+        return name, entry[name]
+
+    for key, batch, names in (("decode_bf16_b1", 1, ("fast_graph", "fast_graph_gemv")),
+                              ("decode_bf16_b64", 64, ("fast_graph",)), ("decode_bf16_b128", 128, ("fast_graph",)),
+                              ("decode_fp8_b1", 1, ("fast_graph_fp8", "fast_graph_fp8_gemv"))):
+        if batch not in by_batch:
+            continue
+        entry = by_batch[batch]
+        name, t = best(entry, names)
+        out[key] = {"variant": name, "median_ms": t["median_ms"], "target_ms": TARGETS_MS[key],
+                    "meets_target": t["median_ms"] <= TARGETS_MS[key],
+                    "plain_eager_ms": entry["plain_eager"]["median_ms"],
+                    "speedup_vs_plain": round(entry["plain_eager"]["median_ms"] / t["median_ms"], 2),
+                    "weight_plus_kv_gbps": t["weight_plus_kv_gbps"], "copy_fraction": t["copy_fraction"]}
+    pre = fast["prefill"]
+    out["prefill_512"] = {"median_ms": pre["fast_eager"]["median_ms"], "target_ms": TARGETS_MS["prefill_512"],
+                          "meets_target": pre["fast_eager"]["median_ms"] <= TARGETS_MS["prefill_512"],
+                          "plain_eager_ms": pre["plain_eager"]["median_ms"], "tflops": pre["fast_eager"]["tflops"]}
+    out["greedy_equal_float32"] = {k: v["equal"] for k, v in fast["greedy_float32"].items()}
+    out["greedy_equal_bf16"] = {k: v["equal"] for k, v in fast["greedy_bf16"].items()}
+    drift = by_batch.get(64, by_batch[max(by_batch)])["vs_plain"].get("fast_graph_fp8")
+    out["fp8_vs_bf16_plain_decode_logits"] = drift
+    out["fp8_vs_bf16_prefill_logits"] = pre["fp8_vs_bf16"]
+    out["kernel_checks_ok"] = all(c["ok"] for c in fast["kernel_checks"])
+    return out
 
 
 if __name__ == "__main__":

@@ -62,41 +62,44 @@ def add_rmsnorm(
 @triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
-    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
 ):
+    # one program = one row, all H + 2KV heads as a [HEADS_PAD, D] tile
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
+    h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    row_ptr = qkv_ptr + row * ((NUM_HEADS + 2 * NUM_KV) * HEAD_DIM) + head * HEAD_DIM
-    x = tl.load(row_ptr + d)
+    partner = (d + half) % HEAD_DIM
+    is_q = h < NUM_HEADS
+    is_k = (h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV)
+    is_v = (h >= NUM_HEADS + NUM_KV) & (h < NUM_HEADS + 2 * NUM_KV)
+    valid = (h < NUM_HEADS + 2 * NUM_KV)[:, None]
+    row_ptr = qkv_ptr + row * ((NUM_HEADS + 2 * NUM_KV) * HEAD_DIM) + h[:, None] * HEAD_DIM
+    x = tl.load(row_ptr + d[None, :], mask=valid, other=0.0)  # [HP, D]
+    x_p = tl.load(row_ptr + partner[None, :], mask=valid, other=0.0).to(tl.float32)
+    act_ty = x.dtype
+    w = tl.where(is_q[:, None], tl.load(qw_ptr + d)[None, :], tl.load(kw_ptr + d)[None, :]).to(tl.float32)
+    w_p = tl.where(is_q[:, None], tl.load(qw_ptr + partner)[None, :], tl.load(kw_ptr + partner)[None, :])
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]  # [HP, 1]
+    y = (w * (xf * rstd).to(act_ty).to(tl.float32)).to(act_ty)
+    y_p = (w_p.to(tl.float32) * (x_p * rstd).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
+    rot = tl.where((d < half)[None, :], -y_p, y_p)  # rotate_half(y)
+    pos = tl.load(pos_ptr + row)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)[None, :]
+    a = (y.to(tl.float32) * cos).to(act_ty).to(tl.float32)
+    b = (rot * sin).to(act_ty).to(tl.float32)
+    out = (a + b).to(act_ty)
+    tl.store(q_out_ptr + row * (NUM_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :], out,
+             mask=is_q[:, None])
     slot = tl.load(slot_ptr + row)
-    if head >= NUM_HEADS + NUM_KV:  # V: stored as is
-        if slot >= 0:
-            dst = v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_HEADS - NUM_KV) * HEAD_DIM + d
-            tl.store(dst, x.to(v_cache_ptr.dtype.element_ty))
-    else:
-        is_q = head < NUM_HEADS
-        partner = (d + half) % HEAD_DIM
-        w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d))
-        w_p = tl.where(is_q, tl.load(qw_ptr + partner), tl.load(kw_ptr + partner))
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / HEAD_DIM + eps)
-        y = (w.to(tl.float32) * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
-        x_p = tl.load(row_ptr + partner).to(tl.float32)
-        y_p = (w_p.to(tl.float32) * (x_p * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
-        rot = tl.where(d < half, -y_p.to(tl.float32), y_p.to(tl.float32))  # rotate_half(y)
-        pos = tl.load(pos_ptr + row)
-        cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
-        a = (y.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-        b = (rot * sin).to(x.dtype).to(tl.float32)
-        out = (a + b).to(x.dtype)
-        if is_q:
-            tl.store(q_out_ptr + row * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out)
-        elif slot >= 0:
-            dst = k_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_HEADS) * HEAD_DIM + d
-            tl.store(dst, out.to(k_cache_ptr.dtype.element_ty))
+    if slot >= 0:
+        base = slot * (NUM_KV * HEAD_DIM) + d[None, :]
+        tl.store(k_cache_ptr + base + (h[:, None] - NUM_HEADS) * HEAD_DIM,
+                 out.to(k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
+        tl.store(v_cache_ptr + base + (h[:, None] - NUM_HEADS - NUM_KV) * HEAD_DIM,
+                 x.to(v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
 
 
 def qk_norm_rope_store(
@@ -111,10 +114,10 @@ def qk_norm_rope_store(
     assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     q = torch.empty(n_rows, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)  # [N, H, D]
-    grid = (n_rows, num_heads + 2 * num_kv_heads)
-    _qk_norm_rope_store_kernel[grid](
+    _qk_norm_rope_store_kernel[(n_rows,)](
         qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, eps,
-        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, num_warps=1,
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_heads + 2 * num_kv_heads), num_warps=4,
     )
     return q
 

@@ -24,6 +24,8 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2
         triton.Config({"BLOCK_N": 4, "BLOCK_K": 1024}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_N": 8, "BLOCK_K": 2048}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024}, num_warps=8, num_stages=2),
     ],
     key=["N", "K", "PROLOGUE", "HAS_RES", "HAS_SCALE"],
 )
@@ -85,7 +87,7 @@ def gemv(
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
     n_dim, k_dim = weight.shape
     assert x.shape[1] == (2 * k_dim if prologue == SILU_MUL else k_dim)
-    assert k_dim % 1024 == 0, "K must be a multiple of the largest BLOCK_K"
+    assert k_dim % 2048 == 0, "K must be a multiple of the largest BLOCK_K"
     out = torch.empty(1, n_dim, device=x.device, dtype=x.dtype)
     res_out = x
     has_res = prologue == RMSNORM and residual is not None

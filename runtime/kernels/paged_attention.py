@@ -91,38 +91,49 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, (num / den).to(out_ptr.dtype.element_ty))
 
 
-def decode_num_parts(batch: int, num_kv_heads: int, max_context: int, part: int = 256) -> int:
-    """Key partitions per sequence: split only while batch x KV heads leaves the SMs idle (power of 2)."""
-    if batch * num_kv_heads >= 128:
-        return 1
-    parts = max(1, math.ceil(max_context / part))
-    return triton.next_power_of_2(parts)
+BLOCK_N_DECODE = 64
+TARGET_PROGRAMS = 1024  # programs per decode launch worth aiming for (132 SMs, several per SM)
+
+
+def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
+    """Key partitions per sequence (a power of 2): enough (sequence, KV head, partition) programs to fill
+    the SMs, but no partition shorter than one key tile."""
+    wanted = max(1, math.ceil(TARGET_PROGRAMS / (batch * num_kv_heads)))
+    most = max(1, math.ceil(max_context / BLOCK_N_DECODE))
+    return triton.next_power_of_2(min(wanted, most))
+
+
+def _part_len(max_context: int, num_parts: int) -> int:
+    """Keys per partition: a multiple of the key tile, num_parts of them cover max_context."""
+    per = math.ceil(max_context / num_parts)
+    return math.ceil(per / BLOCK_N_DECODE) * BLOCK_N_DECODE
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, num_parts: int = 1, part: int = 256,
+    seq_lens: torch.Tensor, num_parts: int = 1,
 ) -> torch.Tensor:
     """q [B, H, D] (one row per sequence) over the layer's paged cache -> [B, H, D].
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (>= 1; context including the new row).
-    `num_parts` partitions of `part` keys must cover the longest sequence (see `decode_num_parts`).
+    The keys a block table can address are split into `num_parts` equal partitions (see
+    `decode_num_parts`); with more than one, a second kernel merges the partial softmaxes.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(head_dim)
+    part = _part_len(block_tables.shape[1] * block_size, num_parts)
     if num_parts > 1:
         part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out
-        part = max(part, block_tables.shape[1] * block_size)  # one partition covers every key
     _decode_kernel[(batch, num_kv, num_parts)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=64, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
+        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N_DECODE, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
     if num_parts > 1:
