@@ -22,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -37,16 +38,31 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build(args: argparse.Namespace, variant: str) -> StreamingVocoder:
-    """A vocoder for one variant: '<eager|compile>-<dtype>'."""
-    mode, dtype = variant.split("-", 1)
+def build_base(args: argparse.Namespace) -> StreamingVocoder:
+    """The float32 eager vocoder with the flags applied; variants copy its weights."""
     cfg = VocoderConfig.preset(args.preset)
     flow = dataclasses.replace(cfg.flow, num_steps=args.euler_steps or cfg.flow.num_steps)
     stream = dataclasses.replace(
         cfg.stream, chunk_codes=args.chunk_codes, first_chunk_codes=args.first_chunk_codes
     )
     cfg = dataclasses.replace(cfg, flow=flow, stream=stream)
-    voc = StreamingVocoder.from_preset(args.preset, device=args.device, dtype=dtype, seed=0, config=cfg)
+    return StreamingVocoder.from_preset(args.preset, device=args.device, dtype="float32", seed=0, config=cfg)
+
+
+def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
+    """A vocoder for one variant '<eager|compile>-<dtype>' with the base's weights."""
+    mode, dtype = variant.split("-", 1)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if mode == "eager" and torch_dtype == torch.float32:
+        return base
+    voc = StreamingVocoder(
+        base.config,
+        copy.deepcopy(base.flow),
+        copy.deepcopy(base.generator),
+        base.voices,
+        device=base.device,
+        dtype=torch_dtype,
+    )
     if mode == "compile":
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
         voc.generator.compile()
@@ -109,7 +125,7 @@ def steady_rows(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> 
     """B sessions in steady state; median wall time of one step (one chunk for every session)."""
     chunk = args.chunk_codes
     rng = np.random.default_rng(batch)
-    sessions = [voc.open("default", seed=s) for s in range(batch)]
+    sessions = voc.open_many([("default", s) for s in range(batch)])
     want = chunk * SAMPLES_PER_CODE
     step_ms: list[float] = []
     emitted_any = False
@@ -140,7 +156,12 @@ def steady_rows(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> 
     ms = statistics.median(step_ms)
     chunk_s = want / SAMPLE_RATE
     rtf = ms / 1e3 / chunk_s
-    return {"batch": batch, "ms_per_chunk": round(ms, 3), "rtf": round(rtf, 5), "x_realtime": round(batch / rtf, 2)}
+    return {
+        "batch": batch,
+        "ms_per_chunk": round(ms, 3),
+        "rtf": round(rtf, 5),
+        "x_realtime": round(batch / rtf, 2),
+    }
 
 
 def main() -> None:
@@ -149,7 +170,9 @@ def main() -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "full"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--batches", default="1,8,32,64,256")
-    p.add_argument("--variants", default=None, help="comma list of <eager|compile>-<float32|bfloat16|float16>")
+    p.add_argument(
+        "--variants", default=None, help="comma list of <eager|compile>-<float32|bfloat16|float16>"
+    )
     p.add_argument("--euler-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--chunk-codes", type=int, default=8)
     p.add_argument("--first-chunk-codes", type=int, default=2)
@@ -162,7 +185,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
-    default_variants = "eager-float32,eager-bfloat16,eager-float16,compile-bfloat16" if on_cuda else "eager-float32"
+    default_variants = (
+        "eager-float32,eager-bfloat16,eager-float16,compile-bfloat16" if on_cuda else "eager-float32"
+    )
     variants = (args.variants or default_variants).split(",")
     batches = [int(b) for b in args.batches.split(",")]
     out: dict[str, Any] = {
@@ -178,11 +203,12 @@ def main() -> None:
         "skipped": [],
     }
     eager_ms: dict[int, float] = {}
+    base = build_base(args)
     for variant in variants:
         if time.perf_counter() - t_start > args.max_seconds:
             out["skipped"].append(variant)
             continue
-        voc = build(args, variant)
+        voc = build(base, variant)
         out["euler_steps"] = voc.config.flow.num_steps
         out["bigvgan_context_frames"] = [voc.left_context, voc.right_context]
         out["verify"][variant] = verify(voc, args)

@@ -36,18 +36,30 @@ def frame_noise(seed: int, start: int, stop: int, *, device: torch.device | str 
 
     Frame t's values are a pure function of (seed, t), so streams never share or consume RNG state.
     """
-    check_seed(seed)
     if not 0 <= start <= stop:
         raise ValueError(f"bad frame range [{start}, {stop})")
+    return batch_frame_noise([seed], [start], stop - start, device=device)[0]
+
+
+def batch_frame_noise(
+    seeds: list[int], starts: list[int], length: int, *, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Row b holds frames [starts[b], starts[b] + length) of stream seeds[b]: float32 [B, NUM_MELS, length]."""
+    for seed in seeds:
+        check_seed(seed)
+    if len(seeds) != len(starts) or length < 0 or any(s < 0 for s in starts):
+        raise ValueError("need one non-negative start per seed and a non-negative length")
     dev = torch.device(device)
-    seed_key = torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64, device=dev)
-    key = _mix32(_mix32(seed_key[0:1]) ^ seed_key[1:2])  # [1]
-    frames = torch.arange(start, stop, dtype=torch.int64, device=dev)  # [T]
+    seed_t = torch.tensor(seeds, dtype=torch.int64, device=dev)  # [B]
+    key = _mix32(_mix32(seed_t & _MASK32) ^ (seed_t >> 32))[:, None, None]  # [B, 1, 1]
+    frames = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(
+        length, device=dev
+    )  # [B, T]
     bins = torch.arange(NUM_MELS, dtype=torch.int64, device=dev)  # [M]
-    counter = frames[None, :] * (2 * NUM_MELS) + 2 * bins[:, None]  # [M, T], unique per (t, bin)
+    counter = frames[:, None, :] * (2 * NUM_MELS) + 2 * bins[None, :, None]  # [B, M, T], unique per (t, bin)
     hi = _mix32((counter >> 32) & _MASK32)
-    lo = counter & _MASK32
-    base = _mix32(key ^ hi)  # [M, T]
+    lo = counter & _MASK32  # even, so lo + 1 stays below 2**32
+    base = _mix32(key ^ hi)
     u1 = (_mix32(base ^ lo).double() + 0.5) / 2**32  # (0, 1)
     u2 = (_mix32(base ^ (lo + 1)).double() + 0.5) / 2**32
     normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller

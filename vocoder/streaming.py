@@ -11,7 +11,7 @@ import torch
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, VocoderConfig
 from vocoder.flow import FlowDecoder
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
-from vocoder.noise import check_seed, frame_noise
+from vocoder.noise import batch_frame_noise, check_seed, frame_noise
 from vocoder.session import VocoderSession, check_codes
 from vocoder.state_pool import FlowStatePool
 from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
@@ -109,28 +109,38 @@ class StreamingVocoder:
 
     def open(self, voice: str = "default", *, seed: int = 0) -> VocoderSession:
         """Start a stream conditioned on `voice`; noise is a function of (seed, frame) only."""
-        v = self.voices.get(voice)
-        check_seed(seed)
-        p = v.num_prompt_codes
-        mel_start = max(0, _F * p - self.left_context)
+        return self.open_many([(voice, seed)])[0]
+
+    def open_many(self, specs: Sequence[tuple[str, int]]) -> list[VocoderSession]:
+        """Batched `open` for (voice, seed) pairs (extension of the contract): one priming forward."""
+        voices = [self.voices.get(name) for name, _ in specs]
+        for _, seed in specs:
+            check_seed(seed)
+        sessions = []
         with torch.inference_mode():
-            speaker = self.flow.speaker_condition(v.speaker_embedding[None].to(self.device, self.dtype))[0]
-        session = VocoderSession(
-            voice=v,
-            seed=seed,
-            slot=self.pool.allocate(),
-            speaker=speaker,
-            codes=[int(c) for c in v.prompt_codes.tolist()],
-            codes_start=0,
-            num_codes=p,
-            flow_cursor=0,
-            mel=self._prompt_mel(v)[:, mel_start:],
-            mel_start=mel_start,
-            emitted_frames=_F * p,
-        )
-        # Prime the flow over the prompt now, so later steps carry only new frames.
-        self._advance_flow([session], [max(0, p - LOOKAHEAD_CODES)])
-        return session
+            for v, (_, seed) in zip(voices, specs):
+                p = v.num_prompt_codes
+                mel_start = max(0, _F * p - self.left_context)
+                emb = v.speaker_embedding[None].to(self.device, self.dtype)
+                sessions.append(
+                    VocoderSession(
+                        voice=v,
+                        seed=seed,
+                        slot=self.pool.allocate(),
+                        speaker=self.flow.speaker_condition(emb)[0],
+                        codes=[int(c) for c in v.prompt_codes.tolist()],
+                        codes_start=0,
+                        num_codes=p,
+                        flow_cursor=0,
+                        mel=self._prompt_mel(v)[:, mel_start:],
+                        mel_start=mel_start,
+                        emitted_frames=_F * p,
+                    )
+                )
+            # Prime the flow over the prompt now, so later steps carry only new frames.
+            targets = [max(0, s.num_prompt_codes - LOOKAHEAD_CODES) for s in sessions]
+            self._advance_flow(sessions, targets)
+        return sessions
 
     def push(self, session: VocoderSession, codes: Sequence[int]) -> np.ndarray:
         """Add codes; return the PCM that became final (float32, may be empty)."""
@@ -259,18 +269,20 @@ class StreamingVocoder:
 
         new_frames = [_F * (t - s.flow_cursor) for s, t in work]
         t_max = max(new_frames)
-        b = len(work)
-        mu = mu_all.new_zeros(b, mu_all.shape[1], t_max)  # [B, 80, T]
+        # Row b's new frames sit at mu_all[b, :, 4 * (cursor_b - start_b) + j]; padding rows repeat the last.
+        offsets = torch.tensor(
+            [_F * (s.flow_cursor - w) for (s, _), w in zip(work, starts)], device=self.device
+        )
+        idx = (offsets[:, None] + torch.arange(t_max, device=self.device)).clamp(max=mu_all.shape[2] - 1)
+        mu = torch.gather(mu_all, 2, idx[:, None, :].expand(-1, mu_all.shape[1], -1))  # [B, 80, T]
         cond = torch.zeros_like(mu)
-        noise = torch.zeros(b, mu.shape[1], t_max, device=self.device)
-        for row, ((s, t), w) in enumerate(zip(work, starts)):
-            f0, f1 = _F * s.flow_cursor, _F * t
-            mu[row, :, : f1 - f0] = mu_all[row, :, f0 - _F * w : f1 - _F * w]
-            prompt_frames = _F * s.num_prompt_codes
+        for row, (s, t) in enumerate(work):  # only sessions still inside their prompt (priming)
+            f0, prompt_frames = _F * s.flow_cursor, _F * s.num_prompt_codes
             if f0 < prompt_frames:
-                end = min(f1, prompt_frames)
+                end = min(_F * t, prompt_frames)
                 cond[row, :, : end - f0] = self._prompt_mel(s.voice)[:, f0:end].to(cond.dtype)
-            noise[row, :, : f1 - f0] = frame_noise(s.seed, f0, f1, device=self.device)
+        seeds = [s.seed for s, _ in work]
+        noise = batch_frame_noise(seeds, [_F * s.flow_cursor for s, _ in work], t_max, device=self.device)
         speaker = torch.stack([s.speaker for s, _ in work])  # [B, 80]
         slots = torch.tensor([s.slot for s, _ in work], device=self.device)
         valid = torch.tensor(new_frames, device=self.device)
@@ -316,11 +328,11 @@ class StreamingVocoder:
             for row, i in enumerate(batch):
                 s, (a, z) = sessions[i], windows[i]
                 mel[row, :, : z - a] = s.mel[:, a - s.mel_start : z - s.mel_start]
-            wav = vocode(self.generator, mel).float()  # [B, T * 480]
+            wav = vocode(self.generator, mel).float().cpu().numpy()  # [B, T * 480], one transfer
             for row, i in enumerate(batch):
                 s, (a, _) = sessions[i], windows[i]
                 lo, hi = (s.emitted_frames - a) * HOP_LENGTH, (targets[i] - a) * HOP_LENGTH
-                out[i] = wav[row, lo:hi].cpu().numpy()
+                out[i] = wav[row, lo:hi].copy()
         for s, target in zip(sessions, targets):
             s.num_samples_emitted += (target - s.emitted_frames) * HOP_LENGTH
             s.emitted_frames = target

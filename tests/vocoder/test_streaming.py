@@ -88,9 +88,9 @@ def test_step_batches_sessions_without_changing_their_audio(
 
     batch_sizes: list[int] = []
     hook = vocoder.generator.register_forward_hook(lambda m, i, o: batch_sizes.append(o.shape[0]))
-    a = vocoder.open("default", seed=SEED)
-    b = vocoder.open("default", seed=99)
-    idle = vocoder.open("default", seed=3)  # in every step, never gets codes
+    a, b, idle = vocoder.open_many(
+        [("default", SEED), ("default", 99), ("default", 3)]
+    )  # idle: never gets codes
     out_a, out_b = [], []
     schedule_b = [1, 7, 0, 2, 3, 4]
     for i, n_b in enumerate(schedule_b):
