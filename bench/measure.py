@@ -171,15 +171,29 @@ def _error_key(result: RequestResult) -> str:
     return str(result.status)
 
 
+def requests_per_level(levels: Sequence[int], requests: str | None) -> list[int]:
+    """Measured requests at each concurrency level: one number for all, a comma list (one per level),
+    or None for max(8, 2 x concurrency)."""
+    if requests is None:
+        return [max(8, 2 * c) for c in levels]
+    counts = [int(n) for n in requests.split(",") if n.strip()]
+    if len(counts) == 1:
+        counts = counts * len(levels)
+    if len(counts) != len(levels) or min(counts) < 1:
+        raise ValueError(f"--requests {requests!r} must be one count >= 1 or one per level {list(levels)}")
+    return counts
+
+
 def speech_prompt_text(num_prompt_tokens: int, variant: int | None = None) -> str:
     """Input text whose speech prompt is exactly `num_prompt_tokens` rows with the presets' byte-level
     tokenizer (the ingress's read-aloud system prompt + chat template + this text).
 
-    With `variant`, the text starts with that number (7 digits), so prompts of different variants share
-    only the system prompt's KV blocks in the prefix cache, as different users' requests would.
+    With `variant`, the text starts with that number's 7 digits reversed (the fastest-changing digit
+    first), so prompts of different variants share only the system prompt's KV blocks in the prefix
+    cache (the first 128 rows with 16-row blocks), as different users' requests would.
     """
     num_chars = num_prompt_tokens - _speech_prompt_rows("")  # one byte-level token per ASCII character
-    head = "" if variant is None else f"{variant % 10**7:07d} "
+    head = "" if variant is None else f"{variant % 10**7:07d}"[::-1] + " "
     if num_chars < len(head) + 1:
         raise ValueError(f"the fixed speech prompt takes {num_prompt_tokens - num_chars} tokens; ask for more")
     text = (head + FILLER * (num_chars // len(FILLER) + 1))[:num_chars]

@@ -74,7 +74,7 @@ def test_prompt_text_has_the_asked_length_and_variants_differ_from_their_first_c
     texts = [speech_prompt_text(512, variant=v) for v in (0, 1, 2)]
     assert prompt_text(512) == speech_prompt_text(512) and len(set(texts)) == 3
     assert [len(t) for t in texts] == [len(prompt_text(512))] * 3 == [360] * 3  # byte-level: one token each
-    assert texts[1].startswith("0000001 The quick brown fox")
+    assert texts[1].startswith("1000000 The quick brown fox")  # fastest-changing digit first
 
 
 def _counters() -> dict[str, float]:
