@@ -93,8 +93,8 @@ def test_llm_replicas_rise_under_queue_pressure_and_fall_back_after_it() -> None
 
         limits = Limits(served_model_name="moss-speech", voices=["default"], max_input_chars=2000,
                         max_new_tokens_limit=3000, default_max_new_tokens=64)
-        body = json.dumps({**SPEECH, "input": "Scale me up, please.", "max_new_tokens": 120,
-                           "min_new_tokens": 120}).encode()
+        body = json.dumps({**SPEECH, "input": "Scale me up, please.", "max_new_tokens": 60,
+                           "min_new_tokens": 60}).encode()
         vocoder = serve.get_deployment_handle("VocoderServer", app_name=OPS_APP)
         while not stop.is_set():
             _, payload = speech_request(body, limits)
