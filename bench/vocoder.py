@@ -32,6 +32,10 @@ from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
 
 
+class CheckFailed(RuntimeError):
+    """An output check failed; the variant is reported with the reason and not timed further."""
+
+
 def sync(device: str) -> None:
     """Wait for queued GPU work so wall times are real."""
     if device.startswith("cuda"):
@@ -65,10 +69,10 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
     )
     if mode == "compile":
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
-        voc.generator.compile()
+        voc.generator.compile(dynamic=True)
         for module in voc.flow.estimator.modules():
             if type(module).__name__ == "ChunkTransformer":
-                module.compile()
+                module.compile(dynamic=True)
     elif mode != "eager":
         raise ValueError(f"unknown variant {variant!r}")
     return voc
@@ -86,15 +90,17 @@ def verify(voc: StreamingVocoder, args: argparse.Namespace) -> dict[str, Any]:
     parts.append(voc.finish(session))
     pcm = np.concatenate(parts)
     if len(pcm) != len(codes) * SAMPLES_PER_CODE or len(ref) != len(pcm):
-        raise SystemExit(f"length check failed: {len(pcm)} / {len(ref)} != {len(codes) * SAMPLES_PER_CODE}")
+        raise CheckFailed(f"length check failed: {len(pcm)} / {len(ref)} != {len(codes) * SAMPLES_PER_CODE}")
     if not (np.isfinite(pcm).all() and np.isfinite(ref).all()):
-        raise SystemExit("non-finite PCM")
+        raise CheckFailed("non-finite PCM")
     return {"max_abs_diff_stream_vs_whole": float(np.abs(pcm - ref).max()), "pcm_std": float(pcm.std())}
 
 
 def first_chunk(voc: StreamingVocoder, args: argparse.Namespace, repeats: int = 5) -> dict[str, Any]:
     """One stream: time open() and the push that makes the first chunk (all codes it needs at once)."""
-    need = LOOKAHEAD_CODES + -(-(voc.right_context + MEL_FRAMES_PER_CODE * args.first_chunk_codes) // 4)
+    need = LOOKAHEAD_CODES + -(
+        -(voc.right_context + MEL_FRAMES_PER_CODE * args.first_chunk_codes) // MEL_FRAMES_PER_CODE
+    )
     codes = np.random.default_rng(1).integers(0, 16384, need).tolist()
     opens, pushes, samples = [], [], 0
     for r in range(repeats + 1):
@@ -112,7 +118,7 @@ def first_chunk(voc: StreamingVocoder, args: argparse.Namespace, repeats: int = 
             opens.append(1e3 * (t1 - t0))
             pushes.append(1e3 * (t2 - t1))
     if samples < args.first_chunk_codes * SAMPLES_PER_CODE:
-        raise SystemExit(f"first chunk too short: {samples} samples")
+        raise CheckFailed(f"first chunk too short: {samples} samples")
     return {
         "codes_needed": need,
         "samples": samples,
@@ -142,17 +148,17 @@ def steady_rows(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> 
                 emitted_any, first_steady = True, step
             if step >= first_steady + args.warmup_steps:
                 if not all(np.isfinite(p).all() for p in pcms):
-                    raise SystemExit("non-finite PCM in steady state")
+                    raise CheckFailed("non-finite PCM in steady state")
                 step_ms.append(1e3 * dt)
                 if len(step_ms) == args.steps:
                     break
         elif emitted_any:
-            raise SystemExit(f"steady state broke at step {step}: chunk lengths {sorted(lengths)}")
+            raise CheckFailed(f"steady state broke at step {step}: chunk lengths {sorted(lengths)}")
     tails = voc.finish_many(sessions)
     total_codes = (step + 1) * chunk
     for s, tail in zip(sessions, tails):
         if s.num_samples_emitted != total_codes * SAMPLES_PER_CODE or not np.isfinite(tail).all():
-            raise SystemExit(f"session emitted {s.num_samples_emitted} samples for {total_codes} codes")
+            raise CheckFailed(f"session emitted {s.num_samples_emitted} samples for {total_codes} codes")
     ms = statistics.median(step_ms)
     chunk_s = want / SAMPLE_RATE
     rtf = ms / 1e3 / chunk_s
@@ -179,7 +185,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per row")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--max-seconds", type=float, default=500.0, help="skip remaining rows after this")
+    p.add_argument("--max-seconds", type=float, default=420.0, help="skip remaining rows after this")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here after every row")
     args = p.parse_args()
     t_start = time.perf_counter()
     if args.threads:
@@ -201,32 +208,43 @@ def main() -> None:
         "first_chunk": {},
         "verify": {},
         "skipped": [],
+        "failed": {},
     }
     eager_ms: dict[int, float] = {}
     base = build_base(args)
+    out["euler_steps"] = base.config.flow.num_steps
+    out["bigvgan_context_frames"] = [base.left_context, base.right_context]
+    out["first_audio_after_codes"] = LOOKAHEAD_CODES + -(
+        -(base.right_context + MEL_FRAMES_PER_CODE * args.first_chunk_codes) // MEL_FRAMES_PER_CODE
+    )
     for variant in variants:
         if time.perf_counter() - t_start > args.max_seconds:
             out["skipped"].append(variant)
             continue
         voc = build(base, variant)
-        out["euler_steps"] = voc.config.flow.num_steps
-        out["bigvgan_context_frames"] = [voc.left_context, voc.right_context]
-        out["verify"][variant] = verify(voc, args)
-        out["first_chunk"][variant] = first_chunk(voc, args)
-        for batch in batches:
-            if time.perf_counter() - t_start > args.max_seconds:
-                out["skipped"].append(f"{variant}@{batch}")
-                continue
-            row = {"variant": variant, **steady_rows(voc, args, batch)}
-            if variant == "eager-float32":
-                eager_ms[batch] = row["ms_per_chunk"]
-            elif batch in eager_ms:
-                row["speedup_vs_eager"] = round(eager_ms[batch] / row["ms_per_chunk"], 3)
-            out["rows"].append(row)
+        try:
+            out["verify"][variant] = verify(voc, args)
+            out["first_chunk"][variant] = first_chunk(voc, args)
+            for batch in batches:
+                if time.perf_counter() - t_start > args.max_seconds:
+                    out["skipped"].append(f"{variant}@{batch}")
+                    continue
+                row = {"variant": variant, **steady_rows(voc, args, batch)}
+                if variant == "eager-float32":
+                    eager_ms[batch] = row["ms_per_chunk"]
+                elif batch in eager_ms:
+                    row["speedup_vs_eager"] = round(eager_ms[batch] / row["ms_per_chunk"], 3)
+                out["rows"].append(row)
+                if args.out:
+                    args.out.write_text(json.dumps(out) + "\n")  # partial results survive a kill
+        except CheckFailed as exc:
+            out["failed"][variant] = str(exc)
         del voc
         if on_cuda:
             torch.cuda.empty_cache()
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if args.out:
+        args.out.write_text(json.dumps(out) + "\n")
     print(json.dumps(out))
 
 

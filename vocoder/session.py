@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,6 @@ class VocoderSession:
     emitted_frames: int  # absolute frame up to which PCM has been returned (starts at 4P)
     num_samples_emitted: int = 0
     is_closed: bool = False
-    extra: dict[str, object] = field(default_factory=dict)  # free slot for callers (request id, timings)
 
     @property
     def num_prompt_codes(self) -> int:
