@@ -29,6 +29,7 @@ from bench.fast_checks import failed_ops, run_kernel_checks
 from bench.fast_tools import (
     Blocks,
     copy_bandwidth_gbps,
+    decode_attention_sweep,
     gemv_microbench,
     graph_stepper,
     greedy,
@@ -63,8 +64,8 @@ def float32_checks(model: MossSpeechForCausalLM, ops: TritonOps, prompt: list, b
     want = greedy(plain_stepper(model32, cache, blocks.take(64, bs)), short, GREEDY_STEPS)
     out: dict = {}
     weights32 = fuse_model_weights(model32)
-    for name, one_row in (("cublas", False), ("one_row_gemv", True)):
-        fast = FastForward(weights32, ops, one_row_gemv=one_row)
+    for name, one_row in (("cublas", "cublas"), ("one_row_gemv", "gemv"), ("mixed", "mixed")):
+        fast = FastForward(weights32, ops, one_row=one_row)
         runner = DecodeGraphRunner(fast, cache, max_model_len=128, buckets=[1])
         runner.capture()
         got = greedy(graph_stepper(fast, runner, cache, blocks.take(64, bs)), short, GREEDY_STEPS)
@@ -146,7 +147,8 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     cache.v.normal_(0, 1)
     weights = fuse_model_weights(model)
     fast = FastForward(weights, ops)
-    fast_g = FastForward(weights, ops, one_row_gemv=use_gemv)
+    fast_g = FastForward(weights, ops, one_row="gemv" if use_gemv else "cublas")
+    fast_m = FastForward(weights, ops, one_row="mixed" if use_gemv else "cublas")
     result["weight_matrix_bytes_bf16"] = weights.matrix_bytes()
     log(f"model ready; matrices {weights.matrix_bytes() / 1e9:.2f} GB; cache {num_blocks} blocks")
 
@@ -165,9 +167,11 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
 
     runner = DecodeGraphRunner(fast, cache, max_model_len=args.max_model_len, buckets=batch_sizes)
     runner_g = DecodeGraphRunner(fast_g, cache, max_model_len=args.max_model_len, buckets=[1])
+    runner_m = DecodeGraphRunner(fast_m, cache, max_model_len=args.max_model_len, buckets=[1])
     t0 = time.perf_counter()
     runner.capture()
     runner_g.capture()
+    runner_m.capture()
     result["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log(f"captured {batch_sizes} + gemv [1] in {result['graph_capture_s']} s")
     short = prompt[:32]
@@ -177,14 +181,16 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
                                              GREEDY_STEPS)),
         "one_row_gemv": greedy_report(want, greedy(graph_stepper(fast_g, runner_g, cache, blocks.take(64, bs)),
                                                    short, GREEDY_STEPS)),
+        "mixed": greedy_report(want, greedy(graph_stepper(fast_m, runner_m, cache, blocks.take(64, bs)),
+                                            short, GREEDY_STEPS)),
     }
     log("bf16 greedy equal: " + json.dumps({k: v["equal"] for k, v in result["greedy_bf16"].items()}))
 
     # --- decode timings ---
     ctx = args.context_len
     fp8_weights = with_fp8(weights, "all")
-    fast8 = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row_gemv=False)
-    fast8_g = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row_gemv=use_gemv)
+    fast8 = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row="cublas")
+    fast8_g = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row="gemv" if use_gemv else "cublas")
     runner8 = DecodeGraphRunner(fast8, cache, max_model_len=args.max_model_len, buckets=batch_sizes)
     runner8_g = DecodeGraphRunner(fast8_g, cache, max_model_len=args.max_model_len, buckets=[1])
     runner8.capture()
@@ -201,7 +207,8 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
                     torch.full((b,), ctx + 1, dtype=torch.int32, device=device))
         graphs = {"fast_graph": (runner, weights), "fast_graph_fp8": (runner8, fp8_weights)}
         if b == 1:
-            graphs.update({"fast_graph_gemv": (runner_g, weights), "fast_graph_fp8_gemv": (runner8_g, fp8_weights)})
+            graphs.update({"fast_graph_gemv": (runner_g, weights), "fast_graph_mixed": (runner_m, weights),
+                           "fast_graph_fp8_gemv": (runner8_g, fp8_weights)})
         logits = {name: tuple(x.clone() for x in r.run(*run_args)) for name, (r, _) in graphs.items()}
         p_logits = model(tok, aud, pos, cache, attn)
         kv_bytes = b * (ctx + 1) * kv_bytes_per_block(config, 1, bf16)
@@ -220,7 +227,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
         log(f"decode B={b}: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in variants))
         decode.append(entry)
         if b in (1, max(batch_sizes)):
-            for name in ("fast_graph", "fast_graph_gemv", "fast_graph_fp8_gemv"):
+            for name in ("fast_graph", "fast_graph_mixed", "fast_graph_fp8_gemv"):
                 if name in variants:
                     try:
                         profiles[f"{name}_b{b}"] = kernel_table(variants[name][0])
@@ -252,6 +259,9 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     result["prefill"] = prefill
     log(f"prefill profile {json.dumps(prefill['profile_fast_eager'])[:1500]}")
 
+    result["decode_attention_sweep"] = decode_attention_sweep(cache, [1, 8, 64, 128], args.context_len, blocks.next)
+    for row in result["decode_attention_sweep"]:
+        log(f"attn sweep {json.dumps(row)}")
     result["gemv_1row_in_graph"] = gemv_microbench(device)
     for row in result["gemv_1row_in_graph"]:
         log(f"gemv {json.dumps(row)}")
@@ -271,7 +281,7 @@ def summarize(fast: dict) -> dict:
         name = min((n for n in names if n in entry), key=lambda n: entry[n]["median_ms"])
         return name, entry[name]
 
-    for key, batch, names in (("decode_bf16_b1", 1, ("fast_graph", "fast_graph_gemv")),
+    for key, batch, names in (("decode_bf16_b1", 1, ("fast_graph", "fast_graph_gemv", "fast_graph_mixed")),
                               ("decode_bf16_b64", 64, ("fast_graph",)), ("decode_bf16_b128", 128, ("fast_graph",)),
                               ("decode_fp8_b1", 1, ("fast_graph_fp8", "fast_graph_fp8_gemv"))):
         if batch not in by_batch:

@@ -197,3 +197,33 @@ def gemv_microbench(device: torch.device) -> list[dict]:
         out.append(row)
         del ws, w8s
     return out
+
+
+def decode_attention_sweep(cache: KVCache, batch_sizes: list[int], context_len: int, start_block: int) -> list[dict]:
+    """Decode-attention kernel configs (key tile, warps, stages) at each batch size, in CUDA graphs over all
+    layer instances (no L2 reuse); KV bytes read per call / time."""
+    from runtime.kernels.paged_attention import decode_num_parts, paged_decode_attention
+
+    device = cache.k.device
+    layers, _, bs, kv, dim = cache.k.shape
+    out = []
+    configs = [(64, 4, 2), (32, 4, 2), (128, 8, 2), (64, 4, 3), (128, 4, 3), (64, 8, 2), (32, 2, 3)]
+    for b in batch_sizes:
+        width = math.ceil((context_len + 1) / bs)
+        tables = (start_block + torch.arange(b * width, device=device, dtype=torch.int32)).view(b, width)
+        seq_lens = torch.full((b,), context_len + 1, dtype=torch.int32, device=device)
+        q = torch.randn(b, 4 * kv, dim, device=device, dtype=cache.k.dtype)
+        parts = decode_num_parts(b, kv, width * bs)
+        nbytes = 2 * b * (context_len + 1) * kv * dim * cache.k.element_size()
+        row: dict = {"batch": b, "parts": parts, "kv_bytes_per_call": nbytes}
+        for bn, warps, stages in configs:
+            calls = [functools.partial(paged_decode_attention, q, cache.k[i], cache.v[i], tables, seq_lens, parts,
+                                       block_n=bn, num_warps=warps, num_stages=stages) for i in range(layers)]
+            key = f"bn{bn}_w{warps}_s{stages}"
+            try:
+                us = graph_us_per_call(calls)
+                row[key] = {"us": round(us, 2), "gbps": round(nbytes / (us / 1e6) / 1e9, 1)}
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON
+                row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        out.append(row)
+    return out

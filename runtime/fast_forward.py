@@ -61,25 +61,33 @@ class StepInputs:
         )
 
 
+ONE_ROW_MODES = ("cublas", "gemv", "mixed")
+
+
 class FastForward:
     """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`, float32 like the model."""
 
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
-        one_row_gemv: bool | None = None,
+        one_row: str | None = None,
     ) -> None:
-        """`one_row_gemv`: for one-row steps use the Triton GEMV with the norms / SiLU fused in front
-        (runtime/kernels/gemv.py) instead of cuBLAS + separate ops (CUDA + Triton only). Default: on
-        for FP8 weights (measured faster there), off for bf16 (cuBLAS measured faster)."""
+        """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
+        "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
+        fused in front for all four layer matrices and the heads (runtime/kernels/gemv.py); "mixed" =
+        cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused). Default: "gemv" for FP8
+        weights, "cublas" for bf16 (docs/gpu.md has the measurements)."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
         device, dtype = weights.embed_text.device, weights.embed_text.dtype
         self.ops = ops if ops is not None else default_ops(device)
         self.fp8_small_batch = fp8_small_batch
-        if one_row_gemv is None:
-            one_row_gemv = isinstance(weights.text_head, Fp8Weight) or isinstance(weights.shared[0].down, Fp8Weight)
-        self.one_row_gemv = one_row_gemv and isinstance(self.ops, TritonOps)
+        if one_row is None:
+            is_fp8 = isinstance(weights.text_head, Fp8Weight) or isinstance(weights.shared[0].down, Fp8Weight)
+            one_row = "gemv" if is_fp8 else "cublas"
+        if one_row not in ONE_ROW_MODES:
+            raise ValueError(f"one_row must be one of {ONE_ROW_MODES}, got {one_row!r}")
+        self.one_row = one_row if isinstance(self.ops, TritonOps) else "cublas"
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
 
     def decode_num_parts(self, batch: int, max_context: int) -> int:
@@ -103,7 +111,7 @@ class FastForward:
         """One decoder layer; returns (mlp output, residual before it): the layer output is their sum."""
         cfg, ops = self.config, self.ops
         n = x.shape[0]
-        if self.one_row_gemv and n == 1:
+        if self.one_row != "cublas" and n == 1:
             return self._layer_one_row(layer, x, residual, step, kv_cache)
         h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
         qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
@@ -127,12 +135,17 @@ class FastForward:
         self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
         kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_layer` for a single row: 4 GEMV launches carry the norms, residual adds and SiLU."""
+        """`_layer` for a single row: the GEMV launches carry the norms, residual adds and SiLU."""
         from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL
 
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
-        qkv, residual = _gemv(x, layer.qkv, RMSNORM, residual, layer.input_norm, eps)  # [1, (H+2KV)*D]
+        mixed = self.one_row == "mixed"
+        if mixed:
+            h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, eps)
+            qkv = self._linear(h, layer.qkv)
+        else:
+            qkv, residual = _gemv(x, layer.qkv, RMSNORM, residual, layer.input_norm, eps)  # [1, (H+2KV)*D]
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]
         q = ops.qk_norm_rope_store(
             qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
@@ -140,7 +153,11 @@ class FastForward:
         )  # [1, H, D]
         attn = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
         o, _ = _gemv(attn.reshape(1, -1), layer.o, NONE)  # [1, hidden]
-        gate_up, residual = _gemv(o, layer.gate_up, RMSNORM, residual, layer.post_norm, eps)  # [1, 2I]
+        if mixed:
+            h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, eps)
+            gate_up = self._linear(h, layer.gate_up)
+        else:
+            gate_up, residual = _gemv(o, layer.gate_up, RMSNORM, residual, layer.post_norm, eps)  # [1, 2I]
         down, _ = _gemv(gate_up, layer.down, SILU_MUL)  # [1, hidden]
         assert residual is not None
         return down, residual
@@ -159,7 +176,7 @@ class FastForward:
         if step.max_query_len != 1:  # only each sequence's last row reaches the head
             x = x.index_select(0, step.logits_indices)
             residual = None if residual is None else residual.index_select(0, step.logits_indices)
-        if self.one_row_gemv and x.shape[0] == 1:
+        if self.one_row == "gemv" and x.shape[0] == 1:
             from runtime.kernels.gemv import RMSNORM
 
             return _gemv(x, head, RMSNORM, residual, norm, self.config.rms_norm_eps)[0].float()

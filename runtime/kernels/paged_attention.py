@@ -92,26 +92,31 @@ def _decode_reduce_kernel(
 
 
 BLOCK_N_DECODE = 64
-TARGET_PROGRAMS = 1024  # programs per decode launch worth aiming for (132 SMs, several per SM)
+SPLIT_BELOW = 128  # sequences x KV heads under which keys are split (measured: splitting at 32 x 8 or
+# 64 x 8 programs cost more in partial writes + merge than it gained)
+TARGET_PROGRAMS = 512
 
 
 def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Key partitions per sequence (a power of 2): enough (sequence, KV head, partition) programs to fill
-    the SMs, but no partition shorter than one key tile."""
+    """Key partitions per sequence (a power of 2): 1 once batch x KV heads fill the SMs, else enough
+    partitions for ~TARGET_PROGRAMS programs, none shorter than one key tile."""
+    if batch * num_kv_heads >= SPLIT_BELOW:
+        return 1
     wanted = max(1, math.ceil(TARGET_PROGRAMS / (batch * num_kv_heads)))
     most = max(1, math.ceil(max_context / BLOCK_N_DECODE))
     return triton.next_power_of_2(min(wanted, most))
 
 
-def _part_len(max_context: int, num_parts: int) -> int:
+def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
     """Keys per partition: a multiple of the key tile, num_parts of them cover max_context."""
     per = math.ceil(max_context / num_parts)
-    return math.ceil(per / BLOCK_N_DECODE) * BLOCK_N_DECODE
+    return math.ceil(per / block_n) * block_n
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, num_parts: int = 1,
+    seq_lens: torch.Tensor, num_parts: int = 1, *, block_n: int = BLOCK_N_DECODE, num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """q [B, H, D] (one row per sequence) over the layer's paged cache -> [B, H, D].
 
@@ -124,7 +129,7 @@ def paged_decode_attention(
     group = num_heads // num_kv
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(head_dim)
-    part = _part_len(block_tables.shape[1] * block_size, num_parts)
+    part = _part_len(block_tables.shape[1] * block_size, num_parts, block_n)
     if num_parts > 1:
         part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=q.device, dtype=torch.float32)
@@ -133,8 +138,8 @@ def paged_decode_attention(
     _decode_kernel[(batch, num_kv, num_parts)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N_DECODE, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
-        num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_parts > 1:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
