@@ -179,6 +179,7 @@ def main() -> None:
     p.add_argument(
         "--variants", default=None, help="comma list of <eager|compile>-<float32|bfloat16|float16>"
     )
+    p.add_argument("--dtype", default=None, help="shorthand: eager-float32 baseline plus eager-<dtype>")
     p.add_argument("--euler-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--chunk-codes", type=int, default=8)
     p.add_argument("--first-chunk-codes", type=int, default=2)
@@ -195,6 +196,8 @@ def main() -> None:
     default_variants = (
         "eager-float32,eager-bfloat16,eager-float16,compile-bfloat16" if on_cuda else "eager-float32"
     )
+    if args.variants is None and args.dtype is not None:
+        args.variants = ",".join(dict.fromkeys(["eager-float32", f"eager-{args.dtype}"]))
     variants = (args.variants or default_variants).split(",")
     batches = [int(b) for b in args.batches.split(",")]
     out: dict[str, Any] = {
@@ -239,6 +242,10 @@ def main() -> None:
                     args.out.write_text(json.dumps(out) + "\n")  # partial results survive a kill
         except CheckFailed as exc:
             out["failed"][variant] = str(exc)
+        except Exception as exc:  # e.g. a compile failure: report it, keep the other variants' rows
+            if variant == "eager-float32":
+                raise
+            out["failed"][variant] = f"{type(exc).__name__}: {exc}"[:800]
         del voc
         if on_cuda:
             torch.cuda.empty_cache()

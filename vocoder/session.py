@@ -63,6 +63,8 @@ def check_codes(codes: Sequence[int]) -> list[int]:
         and not hasattr(codes, "__array__")
     ):
         raise ValueError(f"codes must be a sequence of ints, got {type(codes).__name__}")
+    if getattr(codes, "ndim", 1) != 1:
+        raise ValueError(f"codes must be one-dimensional, got shape {tuple(codes.shape)}")
     out = []
     for i, code in enumerate(codes):
         try:

@@ -156,3 +156,19 @@ def test_flow_streaming_equals_whole_at_mel_level() -> None:
         parts.append(out)
     assert torch.allclose(torch.cat(parts, dim=2), whole, atol=1e-5)
     assert float((whole - noise).abs().mean()) > 0.1  # the estimator did move the noise
+
+
+def test_check_codes_accepts_int_sequences_only() -> None:
+    import numpy as np
+
+    from vocoder.session import check_codes
+
+    assert check_codes(np.array([0, 16383], dtype=np.int64)) == [0, 16383]
+    assert check_codes(torch.tensor([5, 6])) == [5, 6]
+    assert check_codes((1, 2)) == [1, 2]
+    with pytest.raises(ValueError, match="one-dimensional"):
+        check_codes(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="sequence of ints"):
+        check_codes("12")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not an integer"):
+        check_codes(np.array([1.0]))
