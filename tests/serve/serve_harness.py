@@ -72,12 +72,13 @@ def metric_names(text: str) -> set[str]:
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 60.0, interval_s: float = 0.25,
-               what: str = "condition") -> None:
-    """Poll until `predicate()` is true; fail the test with `what` after `timeout_s`."""
+               what: str = "condition", last: Callable[[], object] | None = None) -> None:
+    """Poll until `predicate()` is true; fail the test with `what` (and `last()`) after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            seen = f"; last seen {last()}" if last is not None else ""
+            raise AssertionError(f"timed out waiting for {what}{seen}")
         time.sleep(interval_s)
 
 

@@ -1,0 +1,135 @@
+"""The moss_* metrics on Ray's export port count exactly the traffic a test causes; autoscaling stats."""
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import httpx
+import pytest
+import serve_harness
+from serve_harness import metric_value, scrape_metrics
+
+ING = {"deployment": "Ingress"}
+NUM_CODES = 12
+SECONDS_PER_CODE = 1920 / 24000
+
+
+def moss_lines(text: str) -> list[str]:
+    return sorted(line for line in text.splitlines() if line.startswith("ray_moss_"))
+
+
+def settled_scrape(settle_s: float = 3.0, timeout_s: float = 90.0) -> str:
+    """A scrape whose moss_* samples did not change for `settle_s` (earlier traffic fully exported)."""
+    deadline = time.monotonic() + timeout_s
+    text = scrape_metrics()
+    since = time.monotonic()
+    while time.monotonic() - since < settle_s:
+        assert time.monotonic() < deadline, "moss_* metrics never settled"
+        time.sleep(0.5)
+        now = scrape_metrics()
+        if moss_lines(now) != moss_lines(text):
+            text, since = now, time.monotonic()
+    return text
+
+
+def sse_speech(http: httpx.Client, seed: int) -> int:
+    """One SSE speech request of NUM_CODES codes; returns how many audio chunks the server sent."""
+    body = {"model": "moss-speech", "input": "Metrics please", "seed": seed, "stream_format": "sse",
+            "min_new_tokens": NUM_CODES, "max_new_tokens": NUM_CODES + 1}
+    with http.stream("POST", "/v1/audio/speech", json=body) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert sum(len(base64.b64decode(e["audio"])) for e in deltas) == 2 * 1920 * NUM_CODES
+    return len(deltas)
+
+
+def test_metrics_count_exactly_the_requests_made(http: httpx.Client) -> None:
+    names = {  # sample name -> labels
+        "ray_moss_requests_total/models": ("ray_moss_requests_total", {**ING, "route": "models", "status": "200"}),
+        "ray_moss_requests_total/speech200": ("ray_moss_requests_total", {"route": "speech", "status": "200"}),
+        "ray_moss_requests_total/speech400": ("ray_moss_requests_total", {"route": "speech", "status": "400"}),
+        "errors": ("ray_moss_errors_total", {"kind": "invalid_request"}),
+        "ttfa": ("ray_moss_time_to_first_audio_seconds_count", {}),
+        "gap": ("ray_moss_audio_chunk_gap_seconds_count", {}),
+        "rtf": ("ray_moss_realtime_factor_count", {}),
+        "audio_s": ("ray_moss_audio_seconds_total", {}),
+        "batch_count": ("ray_moss_vocoder_batch_size_count", {}),
+        # Ray 2.60 rebuilds a histogram's _sum from bucket midpoints (see docs/metrics.md), so the
+        # exact check is on the buckets: a one-stream step lands in the le="1.0" bucket.
+        "batch_of_one": ("ray_moss_vocoder_batch_size_bucket", {"le": "1.0"}),
+    }
+
+    def values(text: str) -> dict[str, float]:
+        return {key: metric_value(text, name, labels) for key, (name, labels) in names.items()}
+
+    before = values(settled_scrape())
+    steps_before = http.get("/admin/stats").json()["vocoder"]["num_steps"]
+    for _ in range(3):
+        assert http.get("/v1/models").status_code == 200
+    for bad in ({"model": "moss-speech"}, {"model": "moss-speech", "input": "x", "top_k": -3}):
+        assert http.post("/v1/audio/speech", json=bad).status_code == 400
+    num_chunks = [sse_speech(http, seed) for seed in (31, 32)]
+    steps = http.get("/admin/stats").json()["vocoder"]["num_steps"] - steps_before
+
+    expected = {**before}
+    expected["ray_moss_requests_total/models"] += 3
+    expected["ray_moss_requests_total/speech400"] += 2
+    expected["errors"] += 2
+    expected["ray_moss_requests_total/speech200"] += 2
+    expected["ttfa"] += 2
+    expected["rtf"] += 2
+    expected["gap"] += sum(n - 1 for n in num_chunks)  # one gap between consecutive chunks
+    expected["audio_s"] += 2 * NUM_CODES * SECONDS_PER_CODE
+    expected["batch_count"] += steps
+    expected["batch_of_one"] += steps  # sequential requests: every step carried one stream
+
+    def matches() -> bool:
+        now = values(scrape_metrics())
+        return all(now[k] == pytest.approx(v, abs=1e-6) for k, v in expected.items())
+
+    serve_harness.wait_until(matches, timeout_s=60, what=f"metrics to reach {expected}",
+                             last=lambda: values(scrape_metrics()))
+    assert all(n >= 2 for n in num_chunks)
+
+
+def test_engine_and_vocoder_gauges_match_the_server_state(http: httpx.Client) -> None:
+    # Two speech requests sharing the system prompt: the second hits the prefix cache.
+    for seed in (41, 42):
+        assert http.post("/v1/audio/speech", json={"model": "moss-speech", "input": "Same prompt",
+                                                   "seed": seed, "min_new_tokens": 2,
+                                                   "max_new_tokens": 3}).status_code == 200
+    stats = http.get("/admin/stats").json()
+    llm = stats["llm"]
+    assert llm["prefix_cache_hits"] > 0
+    expected = {
+        "ray_moss_kv_blocks_used": 0, "ray_moss_kv_blocks_free": llm["num_blocks_total"],
+        "ray_moss_queued_requests": 0, "ray_moss_active_streams": 0,
+        "ray_moss_prefix_cache_query_tokens_total": llm["prefix_cache_queries"],
+        "ray_moss_prefix_cache_hit_tokens_total": llm["prefix_cache_hits"],
+        "ray_moss_prefix_cache_hit_rate": llm["prefix_cache_hits"] / llm["prefix_cache_queries"],
+    }
+
+    def matches() -> bool:
+        text = scrape_metrics()
+        return all(metric_value(text, k) == pytest.approx(v) for k, v in expected.items())
+
+    serve_harness.wait_until(matches, timeout_s=60, what=f"gauges to reach {expected}",
+                             last=lambda: {k: metric_value(scrape_metrics(), k) for k in expected})
+
+
+def test_record_autoscaling_stats_per_contract(http: httpx.Client) -> None:
+    from ray import serve
+
+    assert http.post("/v1/audio/speech", json={"model": "moss-speech", "input": "scale", "seed": 7,
+                                               "min_new_tokens": 2, "max_new_tokens": 3}).status_code == 200
+    llm = serve.get_deployment_handle("LLMServer", app_name=serve_harness.APP_NAME)
+    vocoder = serve.get_deployment_handle("VocoderServer", app_name=serve_harness.APP_NAME)
+    llm_stats = llm.record_autoscaling_stats.remote().result()
+    assert set(llm_stats) == {"kv_cache_usage", "num_waiting", "num_running", "ttfa_p90_s"}
+    assert (llm_stats["kv_cache_usage"], llm_stats["num_waiting"], llm_stats["num_running"]) == (0.0, 0.0, 0.0)
+    assert llm_stats["ttfa_p90_s"] > 0  # the request above produced audio within the window
+    vocoder_stats = vocoder.record_autoscaling_stats.remote().result()
+    assert set(vocoder_stats) == {"batch_occupancy", "lag_s"}
+    assert 0 < vocoder_stats["batch_occupancy"] <= 1 and vocoder_stats["lag_s"] == 0.0
