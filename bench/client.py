@@ -36,6 +36,7 @@ from bench.measure import (  # the repo root is on sys.path now
     AudioTimeline,
     RequestResult,
     plot_levels,
+    requests_per_level,
     speech_prompt_text,
     summarize,
 )
@@ -171,8 +172,8 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
             result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
                                       if h in response.headers), None)
             if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")
-                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                text = (await response.aread()).decode("utf-8", "replace")
+                result.error = f"HTTP {response.status_code}: {text[:200]}"
             else:
                 async for data in response.aiter_raw():
                     timeline.add(time.perf_counter(), audio.feed(data))
@@ -231,7 +232,7 @@ async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float
     return list(results), time.perf_counter() - started
 
 
-async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_requests: int | None,
+async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_requests: list[int],
                         warmup: int, rate: float | None = None, duration_s: float = 0.0,
                         seed: int = 0,
                         on_level: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
@@ -248,10 +249,9 @@ async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_
             results, wall_s = await run_open_loop(client, load, rate, duration_s, seed)
             levels.append(summarize(results, wall_s, rate_per_s=rate, duration_s=duration_s))
             return levels
-        for concurrency in concurrency_levels:
+        for concurrency, count in zip(concurrency_levels, num_requests, strict=True):
             if warmup:
                 await run_closed_loop(client, load, concurrency, warmup)
-            count = num_requests if num_requests is not None else max(8, 2 * concurrency)
             results, wall_s = await run_closed_loop(client, load, concurrency, count)
             levels.append(summarize(results, wall_s, concurrency=concurrency))
             if on_level is not None:
@@ -265,8 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", default=DEFAULT_URL, help="server base URL (loopback unless --allow-remote)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback host")
     p.add_argument("--concurrency", default="1,8,64", help="closed-loop levels, comma separated")
-    p.add_argument("--requests", type=int, default=None,
-                   help="measured requests per level (default max(8, 2 x concurrency))")
+    p.add_argument("--requests", default=None,
+                   help="measured requests per level: N, or one per level (default max(8, 2 x concurrency))")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--duration", type=float, default=30.0, help="open loop: seconds of arrivals")
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests before each level")
@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     levels_asked = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if args.rate is None and (not levels_asked or min(levels_asked) < 1):
         raise SystemExit("--concurrency needs levels >= 1")
+    if args.rate is not None and not (args.rate > 0 and args.duration > 0):
+        raise SystemExit("--rate and --duration must be > 0")
     text = prompt_text(args.prompt_tokens) if args.prompt_tokens else (args.input or SpeechLoad.input)
     load = SpeechLoad(url=url, model=args.model, input=text, voice=args.voice,
                       response_format=args.response_format, max_new_tokens=args.max_new_tokens,
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Path(args.out).write_text(json.dumps(summary) + "\n")
 
     levels = asyncio.run(run_benchmark(
-        load, concurrency_levels=levels_asked, num_requests=args.requests, warmup=args.warmup,
+        load, concurrency_levels=levels_asked, num_requests=requests_per_level(levels_asked, args.requests), warmup=args.warmup,
         rate=args.rate, duration_s=args.duration, seed=args.seed, on_level=save))
     summary["complete"] = True
     if args.plot:
