@@ -30,6 +30,7 @@ import torch
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
+from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
 
 
 class CheckFailed(RuntimeError):
@@ -47,7 +48,11 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
     cfg = VocoderConfig.preset(args.preset)
     flow = dataclasses.replace(cfg.flow, num_steps=args.euler_steps or cfg.flow.num_steps)
     stream = dataclasses.replace(
-        cfg.stream, chunk_codes=args.chunk_codes, first_chunk_codes=args.first_chunk_codes
+        cfg.stream,
+        chunk_codes=args.chunk_codes,
+        first_chunk_codes=args.first_chunk_codes,
+        vocoder_left_context_frames=args.context_frames,
+        vocoder_right_context_frames=args.context_frames,
     )
     cfg = dataclasses.replace(cfg, flow=flow, stream=stream)
     return StreamingVocoder.from_preset(args.preset, device=args.device, dtype="float32", seed=0, config=cfg)
@@ -183,6 +188,9 @@ def main() -> None:
     p.add_argument("--euler-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--chunk-codes", type=int, default=8)
     p.add_argument("--first-chunk-codes", type=int, default=2)
+    p.add_argument(
+        "--context-frames", type=int, default=None, help="BigVGAN context each side (default: exact field)"
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per row")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -217,6 +225,10 @@ def main() -> None:
     base = build_base(args)
     out["euler_steps"] = base.config.flow.num_steps
     out["bigvgan_context_frames"] = [base.left_context, base.right_context]
+    out["bigvgan_exact_field_frames"] = list(receptive_field_frames(base.generator))
+    out["bigvgan_effective_field_frames_1e-6"] = list(
+        effective_context_frames(base.generator, tolerance=1e-6)
+    )
     out["first_audio_after_codes"] = LOOKAHEAD_CODES + -(
         -(base.right_context + MEL_FRAMES_PER_CODE * args.first_chunk_codes) // MEL_FRAMES_PER_CODE
     )

@@ -9,6 +9,7 @@ Keys may carry weight-norm pairs (`weight_g`/`weight_v`, as trained) or folded w
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import math
 import os
@@ -151,6 +152,34 @@ def receptive_field_frames(model: BigVGAN) -> tuple[int, int]:
             span = _conv_transpose_back(up, span)
     span = _conv_back(model.conv_pre, span)
     return frame - span[0], span[1] - frame
+
+
+@torch.no_grad()
+def effective_context_frames(model: BigVGAN, *, tolerance: float = 1e-6, trials: int = 3) -> tuple[int, int]:
+    """(left, right) beyond which a unit change of one mel frame moves no sample by more than `tolerance`.
+
+    Measured in float64 on these weights (random log-mel-like inputs), so it is a property of a checkpoint,
+    not a guarantee like `receptive_field_frames`; the far taps of the exact field fall below float32
+    rounding long before its end. Use it to set `StreamConfig.vocoder_*_context_frames` for lower latency.
+    """
+    exact_left, exact_right = receptive_field_frames(model)
+    probe = copy.deepcopy(model).double()
+    frames = exact_left + exact_right + 9
+    j = exact_right + 4  # perturbed frame; frames j - exact_right .. j + exact_left can change
+    gen = torch.Generator().manual_seed(0)
+    left = right = 0
+    for _ in range(trials):
+        mel = (
+            torch.randn(1, probe.conv_pre.in_channels, frames, generator=gen, dtype=torch.float64) - 5.0
+        )  # [1, 80, T]
+        bumped = mel.clone()
+        bumped[0, :, j] += 1.0
+        diff = (probe(bumped) - probe(mel))[0, 0].abs().reshape(frames, HOP_LENGTH).amax(dim=1)  # [T]
+        moved = torch.nonzero(diff > tolerance).flatten()
+        if moved.numel():
+            right = max(right, j - int(moved.min()))  # frame f < j moved: f depends on j = f + right
+            left = max(left, int(moved.max()) - j)
+    return left, right
 
 
 def vocode(model: BigVGAN, mel: torch.Tensor) -> torch.Tensor:

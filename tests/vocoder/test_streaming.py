@@ -205,3 +205,25 @@ def test_session_state_stays_bounded(vocoder: StreamingVocoder) -> None:
     total += len(vocoder.finish(session))
     assert total == 120 * SAMPLES_PER_CODE
     assert vocoder.num_open_sessions == before
+
+
+def test_measured_context_keeps_streaming_exact(codes: list[int]) -> None:
+    import dataclasses
+
+    from vocoder import VocoderConfig
+    from vocoder.mel_vocoder import effective_context_frames
+
+    base = StreamingVocoder.from_preset("tiny")
+    left, right = effective_context_frames(base.generator, tolerance=1e-6)
+    assert 0 < left < base.left_context and 0 < right < base.right_context  # field's far taps are negligible
+    cfg = VocoderConfig.preset("tiny")
+    stream_cfg = dataclasses.replace(
+        cfg.stream, vocoder_left_context_frames=left + 1, vocoder_right_context_frames=right + 1
+    )
+    fast = StreamingVocoder.from_preset("tiny", config=dataclasses.replace(cfg, stream=stream_cfg))
+    chunks = stream(fast, codes, [2] * 15)
+    sizes = {i + 1: len(c) for i, c in enumerate(chunks) if len(c)}
+    assert (left, right) == (7, 7)
+    assert min(sizes) == 4  # first audio after 4 pushes of 2 codes (5 with the exact field of 16)
+    pcm = np.concatenate(chunks)
+    assert float(np.abs(pcm - fast.decode_whole("default", codes, seed=SEED)).max()) < TOLERANCE
