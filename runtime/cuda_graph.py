@@ -143,3 +143,108 @@ class DecodeGraphRunner:
             tables.to(dev),
             torch.tensor(list(seq_lens), dtype=torch.int32).to(dev),
         )
+
+
+DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+
+
+class PrefillGraphRunner:
+    """CUDA graphs of a one-sequence prefill chunk (fresh prompt or a chunk after earlier pages), one per
+    row-count bucket.
+
+    A chunk of n rows runs in the smallest bucket B >= n as two sequences: the real one (rows 0..n-1,
+    context `seq_len`) and a padding sequence of B - n rows (slot -1: nothing stored; context B - n over
+    block 0: read and thrown away). Prefill is launch-bound in eager mode (hundreds of launches for
+    ~12 ms of GPU work); one replay removes the host from the critical path.
+    """
+
+    def __init__(
+        self, forward: FastForward, kv_cache: KVCache, *, max_model_len: int,
+        buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, use_graphs: bool | None = None,
+    ) -> None:
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.device = kv_cache.k.device
+        self.buckets = sorted({int(b) for b in buckets})
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.max_blocks = max_blocks_for(max_model_len, kv_cache.block_size)
+        largest, dev = self.buckets[-1], self.device
+        self.tokens = torch.zeros(largest, dtype=torch.long, device=dev)  # [Nmax]
+        self.is_audio = torch.zeros(largest, dtype=torch.bool, device=dev)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(2, self.max_blocks, dtype=torch.int32, device=dev)  # [2, W]
+        self.seq_lens = torch.ones(2, dtype=torch.int32, device=dev)  # [2]
+        self.query_start = torch.zeros(3, dtype=torch.int32, device=dev)  # [3]
+        self.logits_indices = torch.zeros(2, dtype=torch.long, device=dev)  # [2]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def _step(self, bucket: int) -> StepInputs:
+        return StepInputs(
+            tokens=self.tokens[:bucket], is_audio=self.is_audio[:bucket], positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start=self.query_start, logits_indices=self.logits_indices, max_query_len=bucket,
+        )
+
+    def _fill(self, n: int, bucket: int, seq_len: int) -> None:
+        self.seq_lens.copy_(torch.tensor([seq_len, bucket - n], dtype=torch.int32))
+        self.query_start.copy_(torch.tensor([0, n, bucket], dtype=torch.int32))
+        self.logits_indices.copy_(torch.tensor([n - 1, bucket - 1], dtype=torch.long))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, in one memory pool (no-op without graphs)."""
+        if not self.use_graphs:
+            return
+        pool = None
+        for bucket in reversed(self.buckets):
+            self.slot_mapping.fill_(-1)
+            self._fill(bucket, bucket, bucket)
+            step = self._step(bucket)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.forward(step, self.kv_cache)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self.forward(step, self.kv_cache)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def run(
+        self, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        block_table: torch.Tensor, seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """n new rows of one sequence (its context `seq_len` includes them) -> logits of its last row,
+        ([1, Vt], [1, Va]) float32, views of the static output (read before the next `run`)."""
+        n = tokens.shape[0]
+        if not 1 <= n <= self.max_rows:
+            raise ValueError(f"prefill chunk of {n} rows outside 1..{self.max_rows}")
+        if block_table.shape[0] > self.max_blocks:
+            raise ValueError(f"block table of {block_table.shape[0]} blocks exceeds {self.max_blocks}")
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self.tokens[:n].copy_(tokens)
+        self.is_audio[:n].copy_(is_audio)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.tokens[n:bucket].zero_()
+        self.is_audio[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        self.slot_mapping[n:bucket].fill_(-1)
+        self.block_tables[0, : block_table.shape[0]].copy_(block_table)
+        self._fill(n, bucket, seq_len)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            text, audio = self.outputs[bucket]
+        else:
+            text, audio = self.forward(self._step(bucket), self.kv_cache)
+        return text[:1], audio[:1]

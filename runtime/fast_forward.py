@@ -75,7 +75,7 @@ class FastForward:
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
         fused in front for all four layer matrices and the heads (runtime/kernels/gemv.py); "mixed" =
         cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused). Default: "gemv" for FP8
-        weights, "cublas" for bf16 (docs/gpu.md has the measurements)."""
+        weights, "mixed" for bf16: the fastest of the three for each on the H200 (docs/gpu.md)."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -84,7 +84,7 @@ class FastForward:
         self.fp8_small_batch = fp8_small_batch
         if one_row is None:
             is_fp8 = isinstance(weights.text_head, Fp8Weight) or isinstance(weights.shared[0].down, Fp8Weight)
-            one_row = "gemv" if is_fp8 else "cublas"
+            one_row = "gemv" if is_fp8 else "mixed"
         if one_row not in ONE_ROW_MODES:
             raise ValueError(f"one_row must be one of {ONE_ROW_MODES}, got {one_row!r}")
         self.one_row = one_row if isinstance(self.ops, TritonOps) else "cublas"

@@ -88,6 +88,8 @@ class TorchOps:
         starts, lens = query_start.tolist(), seq_lens.tolist()
         for s, seq_len in enumerate(lens):
             lo, hi = starts[s], starts[s + 1]
+            if hi == lo:  # a sequence with no new rows (e.g. empty padding of a prefill graph)
+                continue
             pos = torch.arange(seq_len, device=q.device)
             slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size  # [seq_len]
             q_s = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]

@@ -6,7 +6,8 @@ the engine can run it under its lock and then `execute` the forward without it.
 Two forward paths compute the same function: the plain `model.forward` (default), and with
 `fast_path` the fused-weight `FastForward` (runtime/fast_forward.py), whose decode-only steps go
 through `DecodeGraphRunner` (CUDA graphs per batch-size bucket on CUDA, the same padded eager
-call elsewhere).
+call elsewhere) and whose one-sequence prefill chunks go through `PrefillGraphRunner` (CUDA graphs
+per row-count bucket).
 """
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
-        self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph"
+        self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph", "prefill_graph"
         self.fast = None
         self.graphs = None
+        self.prefill_graphs = None
         if fast_path:
-            from runtime.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
+            from runtime.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner, PrefillGraphRunner
             from runtime.fast_forward import FastForward
             from runtime.fused import fuse_model_weights
 
@@ -58,6 +60,9 @@ class ModelRunner:
             buckets = sorted({b for b in DEFAULT_BUCKETS if b < max_num_running} | {max_num_running})
             self.graphs = DecodeGraphRunner(self.fast, kv_cache, max_model_len=max_model_len, buckets=buckets)
             self.graphs.capture()  # no-op off CUDA
+            if self.device.type == "cuda":  # off CUDA the plain fast call is simpler than padding
+                self.prefill_graphs = PrefillGraphRunner(self.fast, kv_cache, max_model_len=max_model_len)
+                self.prefill_graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled chunks (rows grouped by sequence, in chunk order)."""
@@ -126,6 +131,13 @@ class ModelRunner:
             return self.graphs.run(
                 inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, tables.to(self.device),
                 seq_lens.to(self.device),
+            )
+        if (self.prefill_graphs is not None and batch == 1
+                and attn.query_lens[0] <= self.prefill_graphs.max_rows):
+            self.num_steps_by_path["prefill_graph"] += 1
+            table = torch.tensor(attn.block_tables[0], dtype=torch.int32)  # [W]
+            return self.prefill_graphs.run(
+                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, table.to(self.device), attn.seq_lens[0]
             )
         self.num_steps_by_path["fast"] += 1
         num_parts = self.fast.decode_num_parts(batch, max(attn.seq_lens)) if max(attn.query_lens) == 1 else 1

@@ -116,7 +116,7 @@ def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, num_parts: int = 1, *, block_n: int = BLOCK_N_DECODE, num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one row per sequence) over the layer's paged cache -> [B, H, D].
 
@@ -130,6 +130,8 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(head_dim)
     part = _part_len(block_tables.shape[1] * block_size, num_parts, block_n)
+    if num_stages is None:  # measured (bench/fast_tools.py sweep): 3 stages help split keys at 1 sequence
+        num_stages = 3 if num_parts > 1 else 2
     if num_parts > 1:
         part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=q.device, dtype=torch.float32)

@@ -12,7 +12,7 @@ import torch
 
 from runtime.attention import AttentionMetadata
 from runtime.config import MODALITY_PAD_ID, ModelConfig, Row
-from runtime.cuda_graph import DecodeGraphRunner
+from runtime.cuda_graph import DecodeGraphRunner, PrefillGraphRunner
 from runtime.fast_forward import FastForward, StepInputs
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import FP8_MAX, Fp8Weight, quantize_weight
@@ -127,6 +127,27 @@ def test_graph_runner_greedy_tokens_equal_plain_path(model: MossSpeechForCausalL
     for unused in (0, 5, 7, 9):
         assert not fast_cache.k[:, unused].any() and not fast_cache.v[:, unused].any()
     torch.testing.assert_close(fast_cache.k, plain_cache.k, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_runner_pads_to_bucket_and_matches_plain(model: MossSpeechForCausalLM) -> None:
+    """A prompt (7 rows -> bucket 8, one padding row) then a chunk over its pages (4 rows -> bucket 4,
+    no padding): last-row logits and the cache equal the plain model's; padding wrote nothing."""
+    rows, table = make_rows(11, 9), [3, 6, 1]
+    plain_cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
+    fast_cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
+    runner = PrefillGraphRunner(FastForward(fuse_model_weights(model), TorchOps()), fast_cache, max_model_len=16,
+                                buckets=(4, 8))
+    for end, n in ((7, 7), (11, 4)):
+        tokens, is_audio, positions, attn = _plain_step(model, plain_cache, [(rows[:end], n, table)])
+        want_t, want_a = model(tokens, is_audio, positions, plain_cache, attn)
+        got_t, got_a = runner.run(tokens, is_audio, positions, attn.slot_mapping,
+                                  torch.tensor(table, dtype=torch.int32), end)
+        assert got_t.shape == (1, CONFIG.vocab_size) and got_a.shape == (1, CONFIG.audio_vocab_size)
+        torch.testing.assert_close(got_t, want_t, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got_a, want_a, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fast_cache.k, plain_cache.k, atol=1e-5, rtol=1e-4)
+    for unused in (0, 2, 4, 5, 7):
+        assert not fast_cache.k[:, unused].any() and not fast_cache.v[:, unused].any()
 
 
 def test_quantize_weight_per_channel() -> None:
