@@ -169,9 +169,8 @@ def effective_context_frames(model: BigVGAN, *, tolerance: float = 1e-6, trials:
     gen = torch.Generator().manual_seed(0)
     left = right = 0
     for _ in range(trials):
-        mel = (
-            torch.randn(1, probe.conv_pre.in_channels, frames, generator=gen, dtype=torch.float64) - 5.0
-        )  # [1, 80, T]
+        mel = torch.randn(1, probe.conv_pre.in_channels, frames, generator=gen, dtype=torch.float64) - 5.0
+        mel = mel.to(probe.conv_pre.weight.device)  # [1, 80, T]; CPU generator, model may be on a GPU
         bumped = mel.clone()
         bumped[0, :, j] += 1.0
         diff = (probe(bumped) - probe(mel))[0, 0].abs().reshape(frames, HOP_LENGTH).amax(dim=1)  # [T]
