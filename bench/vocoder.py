@@ -213,6 +213,7 @@ def main() -> None:
         "preset": args.preset,
         "device": torch.cuda.get_device_name() if on_cuda else f"cpu x{torch.get_num_threads()} threads",
         "torch": torch.__version__,
+        "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
         "chunk_codes": args.chunk_codes,
         "first_chunk_codes": args.first_chunk_codes,
         "rows": [],
