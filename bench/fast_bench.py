@@ -64,7 +64,7 @@ def float32_checks(model: MossSpeechForCausalLM, ops: TritonOps, prompt: list, b
     want = greedy(plain_stepper(model32, cache, blocks.take(64, bs)), short, GREEDY_STEPS)
     out: dict = {}
     weights32 = fuse_model_weights(model32)
-    for name, one_row in (("cublas", "cublas"), ("one_row_gemv", "gemv"), ("mixed", "mixed")):
+    for name, one_row in (("cublas", "cublas"), ("one_row_gemv", "gemv"), ("mixed", "mixed"), ("mixed2", "mixed2")):
         fast = FastForward(weights32, ops, one_row=one_row)
         runner = DecodeGraphRunner(fast, cache, max_model_len=128, buckets=[1])
         runner.capture()
@@ -149,6 +149,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     fast = FastForward(weights, ops, one_row="cublas")
     fast_g = FastForward(weights, ops, one_row="gemv" if use_gemv else "cublas")
     fast_m = FastForward(weights, ops, one_row="mixed" if use_gemv else "cublas")
+    fast_m2 = FastForward(weights, ops, one_row="mixed2" if use_gemv else "cublas")
     result["weight_matrix_bytes_bf16"] = weights.matrix_bytes()
     log(f"model ready; matrices {weights.matrix_bytes() / 1e9:.2f} GB; cache {num_blocks} blocks")
 
@@ -168,10 +169,12 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     runner = DecodeGraphRunner(fast, cache, max_model_len=args.max_model_len, buckets=batch_sizes)
     runner_g = DecodeGraphRunner(fast_g, cache, max_model_len=args.max_model_len, buckets=[1])
     runner_m = DecodeGraphRunner(fast_m, cache, max_model_len=args.max_model_len, buckets=[1])
+    runner_m2 = DecodeGraphRunner(fast_m2, cache, max_model_len=args.max_model_len, buckets=[1])
     t0 = time.perf_counter()
     runner.capture()
     runner_g.capture()
     runner_m.capture()
+    runner_m2.capture()
     result["graph_capture_s"] = round(time.perf_counter() - t0, 2)
     log(f"captured {batch_sizes} + gemv [1] in {result['graph_capture_s']} s")
     short = prompt[:32]
@@ -183,6 +186,8 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
                                                    short, GREEDY_STEPS)),
         "mixed": greedy_report(want, greedy(graph_stepper(fast_m, runner_m, cache, blocks.take(64, bs)),
                                             short, GREEDY_STEPS)),
+        "mixed2": greedy_report(want, greedy(graph_stepper(fast_m2, runner_m2, cache, blocks.take(64, bs)),
+                                             short, GREEDY_STEPS)),
     }
     log("bf16 greedy equal: " + json.dumps({k: v["equal"] for k, v in result["greedy_bf16"].items()}))
 
@@ -208,6 +213,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
         graphs = {"fast_graph": (runner, weights), "fast_graph_fp8": (runner8, fp8_weights)}
         if b == 1:
             graphs.update({"fast_graph_gemv": (runner_g, weights), "fast_graph_mixed": (runner_m, weights),
+                           "fast_graph_mixed2": (runner_m2, weights),
                            "fast_graph_fp8_gemv": (runner8_g, fp8_weights)})
         logits = {name: tuple(x.clone() for x in r.run(*run_args)) for name, (r, _) in graphs.items()}
         p_logits = model(tok, aud, pos, cache, attn)
@@ -293,7 +299,8 @@ def summarize(fast: dict) -> dict:
         name = min((n for n in names if n in entry), key=lambda n: entry[n]["median_ms"])
         return name, entry[name]
 
-    for key, batch, names in (("decode_bf16_b1", 1, ("fast_graph", "fast_graph_gemv", "fast_graph_mixed")),
+    for key, batch, names in (("decode_bf16_b1", 1, ("fast_graph", "fast_graph_gemv", "fast_graph_mixed",
+                                                        "fast_graph_mixed2")),
                               ("decode_bf16_b64", 64, ("fast_graph",)), ("decode_bf16_b128", 128, ("fast_graph",)),
                               ("decode_fp8_b1", 1, ("fast_graph_fp8", "fast_graph_fp8_gemv"))):
         if batch not in by_batch:

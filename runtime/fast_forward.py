@@ -61,7 +61,7 @@ class StepInputs:
         )
 
 
-ONE_ROW_MODES = ("cublas", "gemv", "mixed")
+ONE_ROW_MODES = ("cublas", "gemv", "mixed", "mixed2")
 
 
 class FastForward:
@@ -74,7 +74,8 @@ class FastForward:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
         fused in front for all four layer matrices and the heads (runtime/kernels/gemv.py); "mixed" =
-        cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused). Default: "gemv" for FP8
+        cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused); "mixed2" = cuBLAS for
+        gate/up only (QKV through the GEMV with the RMSNorm fused in front). Default: "gemv" for FP8
         weights, "mixed" for bf16: the fastest of the three for each on the H200 (docs/gpu.md)."""
         self.weights = weights
         cfg = weights.config
@@ -140,8 +141,7 @@ class FastForward:
 
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
-        mixed = self.one_row == "mixed"
-        if mixed:
+        if self.one_row == "mixed":
             h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, eps)
             qkv = self._linear(h, layer.qkv)
         else:
@@ -153,7 +153,7 @@ class FastForward:
         )  # [1, H, D]
         attn = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
         o, _ = _gemv(attn.reshape(1, -1), layer.o, NONE)  # [1, hidden]
-        if mixed:
+        if self.one_row in ("mixed", "mixed2"):
             h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, eps)
             gate_up = self._linear(h, layer.gate_up)
         else:
