@@ -10,7 +10,7 @@
 #
 # On the GPU machine Ray comes from the wheels of ../shared/tools/device-ray-wheels.sh: if `import ray`
 # fails and /tmp/rayparts holds the parts, this script assembles and installs them into /tmp/site.
-# Knobs (environment): OUT, BUDGET_S (total seconds, default 470), MAX_NEW_TOKENS, PROMPT_TOKENS,
+# Knobs (environment): OUT, CONFIG, BUDGET_S (total seconds, default 470), MAX_NEW_TOKENS, PROMPT_TOKENS,
 # LEVELS, REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
 if [ "$MODE" = gpu ]; then
   PY=${PYTHON:-python3}
-  CONFIG=config/serve-h200.yaml
+  CONFIG=${CONFIG:-config/serve-h200.yaml}
   PROMPT_TOKENS=${PROMPT_TOKENS:-512}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-100}
   LEVELS=${LEVELS:-1,8,64,128,256}; REQUESTS=${REQUESTS:-6,16,64,128,256}; WARMUP=2
   PIPE_LEVELS=${PIPE_LEVELS:-1,8,64,256}; PIPE_REQUESTS=${PIPE_REQUESTS:-4,16,64,256}
@@ -33,7 +33,7 @@ if [ "$MODE" = gpu ]; then
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   PY=${PYTHON:-.venv/bin/python}
-  CONFIG=config/serve.yaml
+  CONFIG=${CONFIG:-config/serve.yaml}
   PROMPT_TOKENS=${PROMPT_TOKENS:-200}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-24}
   LEVELS=${LEVELS:-1,2}; REQUESTS=${REQUESTS:-2,2}; WARMUP=1
   PIPE_LEVELS=${PIPE_LEVELS:-1,2}; PIPE_REQUESTS=${PIPE_REQUESTS:-2,2}
@@ -94,41 +94,43 @@ cleanup() { stop_serve; [ -n "$GPU_LOG_PID" ] && kill "$GPU_LOG_PID" 2>/dev/null
 trap cleanup EXIT
 
 # ---- 1. Serve on 127.0.0.1, then the HTTP client at every concurrency level ----
-HTTP_PORT=$(free_port); METRICS_PORT=$(free_port)
-SERVE_CMD=("$PY" bench/serve_app.py --config "$CONFIG" --port "$HTTP_PORT" --metrics-port "$METRICS_PORT"
-           --ready-file "$OUT/serve_ready.json")
-[ "$MODE" = cpu ] && SERVE_CMD+=(--num-cpus 2)
-record "${SERVE_CMD[@]}"
-log "starting Serve: ${SERVE_CMD[*]}"
-"${SERVE_CMD[@]}" > "$OUT/serve_app.log" 2>&1 &
-SERVE_PID=$!
-READY_BY=$(( $(date +%s) + $(cap $SERVE_CAP) ))
-until [ -s "$OUT/serve_ready.json" ]; do
-  if ! kill -0 "$SERVE_PID" 2>/dev/null || [ "$(date +%s)" -ge "$READY_BY" ]; then
-    log "FATAL: Serve did not become ready; tail of serve_app.log:"; tail -n 40 "$OUT/serve_app.log"
-    exit 3
-  fi
-  sleep 1
-done
-URL="http://127.0.0.1:$HTTP_PORT"
-log "Serve ready: $(cat "$OUT/serve_ready.json")"
-"$PY" - "$URL" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
+serve_phase() {
+  HTTP_PORT=$(free_port); METRICS_PORT=$(free_port)
+  SERVE_CMD=("$PY" bench/serve_app.py --config "$CONFIG" --port "$HTTP_PORT" --metrics-port "$METRICS_PORT"
+             --ready-file "$OUT/serve_ready.json")
+  [ "$MODE" = cpu ] && SERVE_CMD+=(--num-cpus 2)
+  record "${SERVE_CMD[@]}"
+  log "starting Serve: ${SERVE_CMD[*]}"
+  "${SERVE_CMD[@]}" > "$OUT/serve_app.log" 2>&1 &
+  SERVE_PID=$!
+  READY_BY=$(( $(date +%s) + $(cap $SERVE_CAP) ))
+  until [ -s "$OUT/serve_ready.json" ]; do
+    if ! kill -0 "$SERVE_PID" 2>/dev/null || [ "$(date +%s)" -ge "$READY_BY" ]; then
+      log "Serve did not become ready; tail of serve_app.log:"; tail -n 40 "$OUT/serve_app.log"
+      stop_serve
+      return 3
+    fi
+    sleep 1
+  done
+  URL="http://127.0.0.1:$HTTP_PORT"
+  log "Serve ready: $(cat "$OUT/serve_ready.json")"
+  "$PY" - "$URL" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
 import sys, httpx
 print("health:", httpx.get(sys.argv[1] + "/health", timeout=10).text)
 EOF
 
-CLIENT_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LEVELS" --requests "$REQUESTS"
-            --warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$MAX_NEW_TOKENS"
-            --fixed-length --response-format pcm --server-summary --timeout 300
-            --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
-[ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
-record "${CLIENT_CMD[@]}"
-T_CLIENT=$(cap $(( $(left) - PIPE_CAP - 30 )))  # leave Serve's shutdown and the in-process run their share
-log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
-timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
-log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
+  CLIENT_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LEVELS" --requests "$REQUESTS"
+              --warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$MAX_NEW_TOKENS"
+              --fixed-length --response-format pcm --server-summary --timeout 300
+              --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
+  [ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
+  record "${CLIENT_CMD[@]}"
+  T_CLIENT=$(cap $(( $(left) - PIPE_CAP - 30 )))  # leave Serve's shutdown and the in-process run their share
+  log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
+  timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
+  log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
 
-"$PY" - "$URL" "$METRICS_PORT" "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
+  "$PY" - "$URL" "$METRICS_PORT" "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
 import sys, httpx
 url, port, out = sys.argv[1], sys.argv[2], sys.argv[3]
 open(f"{out}/admin_stats.json", "w").write(httpx.get(url + "/admin/stats", timeout=30).text)
@@ -136,14 +138,16 @@ text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
 open(f"{out}/server_metrics.prom", "w").write("\n".join(l for l in text.splitlines() if "moss_" in l) + "\n")
 print("saved admin_stats.json and the moss_* lines of the metrics scrape")
 EOF
-SESSION_DIR=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("session_dir") or "")' \
-  "$OUT/serve_ready.json")
-log "stopping Serve"
-stop_serve
-if [ -n "$SESSION_DIR" ] && [ -d "$SESSION_DIR/logs/serve" ]; then   # this run's Ray only
-  mkdir -p "$OUT/serve_logs"
-  for f in "$SESSION_DIR"/logs/serve/*.log; do tail -n 100 "$f" > "$OUT/serve_logs/$(basename "$f")"; done
-fi
+  SESSION_DIR=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("session_dir") or "")' \
+    "$OUT/serve_ready.json")
+  log "stopping Serve"
+  stop_serve
+  if [ -n "$SESSION_DIR" ] && [ -d "$SESSION_DIR/logs/serve" ]; then   # this run's Ray only
+    mkdir -p "$OUT/serve_logs"
+    for f in "$SESSION_DIR"/logs/serve/*.log; do tail -n 100 "$f" > "$OUT/serve_logs/$(basename "$f")"; done
+  fi
+}
+serve_phase || log "Serve phase failed (exit $?): going on with the in-process run"
 
 # ---- 2. The same workload in process (no Ray, no HTTP), with the engine settings of the config ----
 PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concurrency "$PIPE_LEVELS"
