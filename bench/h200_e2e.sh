@@ -165,6 +165,12 @@ else
   log "pipeline exit $?"
 fi
 
+if [ "$PLOT" = 1 ] && [ -s "$OUT/client_closed.json" ] && [ -s "$OUT/pipeline.json" ]; then
+  record "$PY" bench/measure.py "$OUT/client_closed.json" "$OUT/pipeline.json" "$OUT/http_vs_inprocess.png"
+  "$PY" bench/measure.py "$OUT/client_closed.json" "$OUT/pipeline.json" "$OUT/http_vs_inprocess.png" \
+    >> "$OUT/log.txt" 2>&1 || log "comparison plot failed"
+fi
+
 # ---- 3. One-line digest per level (p50/p99 in ms) ----
 "$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/digest.txt"
 import json, os, sys

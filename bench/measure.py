@@ -219,25 +219,33 @@ def _speech_prompt_rows(text: str) -> int:
 def plot_levels(levels: Sequence[dict[str, Any]], path: str, *, x_key: str = "concurrency",
                 title: str = "") -> None:
     """PNG: TTFA and chunk-gap p50/p99 (ms) against concurrency (or arrival rate)."""
+    plot_series([("", levels)], path, x_key=x_key, title=title)
+
+
+def plot_series(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str, *,
+                x_key: str = "concurrency", title: str = "") -> None:
+    """PNG: TTFA and chunk-gap p50/p99 (ms) against `x_key`, one pair of lines per (name, levels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [level[x_key] for level in levels]
+    all_xs = sorted({level[x_key] for _, levels in series for level in levels})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, name in ((axes[0], "ttfa_s", "time to first audio"), (axes[1], "chunk_gap_s", "chunk gap")):
-        for q, style in (("p50", "o-"), ("p99", "s--")):
-            ys = [_ms(level[key][q]) for level in levels]
-            ax.plot(xs, ys, style, label=f"{q}")
+        for index, (label, levels) in enumerate(series):
+            xs = [level[x_key] for level in levels]
+            for q, style in (("p50", "o-"), ("p99", "s--")):
+                ys = [_ms(level[key][q]) for level in levels]
+                ax.plot(xs, ys, style, color=f"C{index}", label=f"{label} {q}".strip())
         ax.set_xlabel(x_key.replace("_", " "))
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(name)
-        if len(xs) > 1 and min(xs) > 0 and max(xs) / min(xs) >= 8:
+        if len(all_xs) > 1 and min(all_xs) > 0 and max(all_xs) / min(all_xs) >= 8:
             ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.set_xticks(all_xs, [f"{x:g}" for x in all_xs])
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -250,20 +258,27 @@ def _ms(value: float | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python bench/measure.py SUMMARY.json OUT.png`: redraw the plot of a saved client/pipeline summary
-    (for machines without matplotlib: run the benchmark there, plot here)."""
+    """`python bench/measure.py A.json [B.json ...] OUT.png`: draw saved client/pipeline summaries, one
+    line pair each (for machines without matplotlib: run the benchmark there, plot here)."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("summary", help="JSON written by bench/client.py or bench/pipeline.py")
+    parser.add_argument("summaries", nargs="+", help="JSON written by bench/client.py or bench/pipeline.py")
     parser.add_argument("png")
     args = parser.parse_args(argv)
-    with open(args.summary) as f:
-        summary = json.loads(f.read())
-    x_key = "rate_per_s" if summary.get("mode") == "open" else "concurrency"
-    plot_levels(summary["levels"], args.png, x_key=x_key,
-                title=f"{summary.get('label', '')} {summary.get('command', '')}"[:160])
+    loaded = []
+    for path in args.summaries:
+        with open(path) as f:
+            loaded.append(json.loads(f.read()))
+    x_key = "rate_per_s" if loaded[0].get("mode") == "open" else "concurrency"
+    names = {"http_speech": "HTTP (Serve)", "inprocess_speech": "in process"}
+    if len(loaded) == 1:
+        title = f"{loaded[0].get('label', '')} {loaded[0].get('command', '')}"[:160]
+        plot_series([("", loaded[0]["levels"])], args.png, x_key=x_key, title=title)
+    else:
+        series = [(names.get(s.get("benchmark", ""), s.get("label", "")), s["levels"]) for s in loaded]
+        plot_series(series, args.png, x_key=x_key, title=" vs ".join(s.get("label", "") for s in loaded))
 
 
 if __name__ == "__main__":
