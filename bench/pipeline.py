@@ -28,6 +28,7 @@ from bench.measure import (  # the repo root is on sys.path now
     AudioTimeline,
     RequestResult,
     plot_levels,
+    requests_per_level,
     speech_prompt_text,
     summarize,
 )
@@ -183,10 +184,9 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
 
     out: list[dict[str, Any]] = []
     try:
-        for concurrency in levels:
+        for concurrency, count in zip(levels, requests_per_level(levels, args.requests), strict=True):
             if args.warmup:
                 await pipeline.closed_loop(make_request, concurrency, args.warmup)
-            count = args.requests if args.requests is not None else max(8, 2 * concurrency)
             results, wall_s = await pipeline.closed_loop(make_request, concurrency, count)
             stats = pipeline.engine.stats()
             out.append(summarize(results, wall_s, concurrency=concurrency,
@@ -215,7 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-running", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--concurrency", default="1,8,64")
-    p.add_argument("--requests", type=int, default=None, help="per level (default max(8, 2 x concurrency))")
+    p.add_argument("--requests", default=None,
+                   help="measured requests per level: N, or one per level (default max(8, 2 x concurrency))")
     p.add_argument("--warmup", type=int, default=2)
     text = p.add_mutually_exclusive_group()
     text.add_argument("--input", default="Hello there, this is a streaming speech benchmark.")
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run, print one JSON line, write --out / --plot; returns the summary."""
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    requests_per_level(levels, args.requests)  # fail on a bad --requests before building anything
     text = speech_prompt_text(args.prompt_tokens) if args.prompt_tokens else args.input
     summary: dict[str, Any] = {
         "benchmark": "inprocess_speech",
