@@ -3,9 +3,11 @@
     python bench/profile_24gb.py [--vocoder-gib 2]
 
 For bf16 weights and then FP8 weights ("all": layers and heads; bf16 matrices freed layer by layer as
-they are quantized): load the full shape, allocate the KV cache, capture the decode graphs (buckets
-1..64, max_model_len 4096), run a 2048-row prefill chunk and a decode step, and report what is used
-and what is left for the vocoder. Prints one JSON line.
+they are quantized): load the full shape (load peak reported; the allocator cache is emptied after
+loading), allocate the KV cache (bf16: 16k tokens; FP8: as many as fit beside the serving overhead
+measured with bf16 and the vocoder reserve), capture the decode graphs (buckets 1..64, max_model_len
+4096), run a 2048-row prefill chunk and a decode step, and report the serving peak and what is left
+for the vocoder. Prints one JSON line.
 """
 from __future__ import annotations
 
@@ -66,6 +68,9 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
         box = [weights]
         del weights
         weights = _quantize_in_place(box)
+    torch.cuda.empty_cache()
+    load_peak = torch.cuda.max_memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
     weights_bytes = torch.cuda.memory_allocated()
     per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
     if kv_tokens is None:  # as many as fit beside the measured activation/graph overhead and the vocoder
@@ -96,7 +101,8 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     peak = torch.cuda.max_memory_reserved()
     kv_bytes = cache.k.numel() * cache.k.element_size() * 2
     out = {
-        "weights": mode, "weights_gib": round(weights_bytes / GIB, 3), "kv_tokens": kv_tokens,
+        "weights": mode, "weights_gib": round(weights_bytes / GIB, 3), "load_peak_reserved_gib": round(load_peak / GIB, 3),
+        "kv_tokens": kv_tokens,
         "kv_gib": round(kv_bytes / GIB, 3), "peak_reserved_gib": round(peak / GIB, 3),
         "overhead_gib": round((peak - weights_bytes - kv_bytes) / GIB, 3),
         "left_for_vocoder_gib": round((budget - peak) / GIB, 3), "outputs_finite": ok,

@@ -88,7 +88,10 @@ class FastForward:
             one_row = "gemv" if is_fp8 else "mixed"
         if one_row not in ONE_ROW_MODES:
             raise ValueError(f"one_row must be one of {ONE_ROW_MODES}, got {one_row!r}")
-        self.one_row = one_row if isinstance(self.ops, TritonOps) else "cublas"
+        # the GEMV kernel streams K in tiles of up to 2048 (true of the real shape, not of `tiny`)
+        gemv_fits = all(k % 2048 == 0 for k in (cfg.hidden_size, cfg.intermediate_size,
+                                                  cfg.num_attention_heads * cfg.head_dim))
+        self.one_row = one_row if isinstance(self.ops, TritonOps) and gemv_fits else "cublas"
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
 
     def decode_num_parts(self, batch: int, max_context: int) -> int:

@@ -73,7 +73,7 @@ def linear(x: torch.Tensor, w: Weight, *, small_batch_kernel: str = "triton") ->
         return F.linear(x, w)
     if x.device.type != "cuda":
         return F.linear(x, w.dequantize(x.dtype))
-    if x.shape[0] <= GEMV_MAX_ROWS and small_batch_kernel == "triton" and HAS_TRITON:
+    if x.shape[0] <= GEMV_MAX_ROWS and small_batch_kernel == "triton" and HAS_TRITON and x.shape[1] % 512 == 0:
         from runtime.kernels.fp8_gemv import fp8_gemv
 
         return fp8_gemv(x.contiguous(), w.weight, w.scale)

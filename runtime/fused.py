@@ -114,9 +114,13 @@ def _layer_weights(layer: DecoderLayer) -> LayerWeights:
 
 @torch.no_grad()
 def fuse_model_weights(model: MossSpeechForCausalLM) -> FusedWeights:
-    """Fuse QKV and gate/up of every layer in place (parameters become views) and collect the weights."""
+    """Fuse QKV and gate/up of every layer in place (parameters become views) and collect the weights.
+
+    On CUDA the allocator's cache is emptied afterwards: the separate q/k/v/gate/up blocks freed by the
+    fusion would otherwise stay reserved (measured: ~4 GiB of the 24 GB profile) and fit nothing larger.
+    """
     m = model.model
-    return FusedWeights(
+    weights = FusedWeights(
         config=model.config,
         embed_text=m.embed_tokens.weight.detach(),
         embed_audio=m.audio_embed.weight.detach(),
@@ -128,6 +132,9 @@ def fuse_model_weights(model: MossSpeechForCausalLM) -> FusedWeights:
         text_head=model.text_lm_head.weight.detach(),
         audio_head=model.audio_lm_head.weight.detach(),
     )
+    if weights.embed_text.is_cuda:
+        torch.cuda.empty_cache()
+    return weights
 
 
 FP8_SCOPES = ("shared", "layers", "all")

@@ -1,0 +1,108 @@
+"""The engine with `fast_path=True` on CUDA: exact rows on a tiny float32 model, and time to first audio
+code on the full random-weight bf16 model (prefill graph + decode graphs + sampling, no vocoder).
+
+    python bench/fast_engine_check.py      # prints one JSON line
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.config import AUDIO_PAD_ID, IM_START_ID, SOSP_ID, ModelConfig, Row
+from runtime.engine import EngineConfig, EngineCore, default_seed
+from runtime.kv_cache import kv_bytes_per_block
+from runtime.model import MossSpeechForCausalLM, build_model
+from runtime.request import AudioCodes, GenerationRequest
+from runtime.sampling import RequestSampler, SamplingParams, is_stop_row, sample_next_rows
+from runtime.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def prompt(rng: random.Random, length: int, audio_out: bool) -> tuple[Row, ...]:
+    rows = [(IM_START_ID, AUDIO_PAD_ID)] + [(rng.randrange(256), AUDIO_PAD_ID) for _ in range(length - 1)]
+    if audio_out:
+        rows[-1] = (SOSP_ID, AUDIO_PAD_ID)
+    return tuple(rows)
+
+
+def reference(model: MossSpeechForCausalLM, request: GenerationRequest) -> list[Row]:
+    """Whole-sequence forward per token with the same sampler (no cache, no batching)."""
+    sampler = RequestSampler(request.prompt_rows, request.text_sampling, request.audio_sampling,
+                             min_new_tokens=request.min_new_tokens, seed=default_seed(request.request_id))
+    rows = list(request.prompt_rows)
+    for _ in range(request.max_new_tokens):
+        text, audio = model.reference_forward(rows)
+        row = sample_next_rows(text[-1:], audio[-1:], [sampler])[0]
+        rows.append(row)
+        if is_stop_row(row):
+            break
+    return rows[len(request.prompt_rows):]
+
+
+def run(core: EngineCore, arrivals: dict[int, list[GenerationRequest]]) -> dict[str, list[Row]]:
+    seqs, step = {}, 0
+    while core.has_work or any(k >= step for k in arrivals):
+        for request in arrivals.get(step, []):
+            seqs[request.request_id] = core.add_request(request)
+        core.step()
+        step += 1
+    return {k: s.rows[s.num_prompt_rows:] for k, s in seqs.items()}
+
+
+def tiny_exact() -> dict:
+    config = dataclasses.replace(ModelConfig.preset("tiny"), num_shared_layers=2, num_modality_layers=1)
+    plain = build_model(config, seed=0, device="cuda")
+    fused = build_model(config, seed=0, device="cuda")
+    rng = random.Random(13)
+    requests = [GenerationRequest(f"f{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY,
+                                  max_new_tokens=6) for i in range(3)]
+    engine_config = EngineConfig(device="cuda", dtype="float32", block_size=4, fast_path=True, max_num_running=2,
+                                 max_num_batched_tokens=8,
+                                 kv_cache_bytes=256 * kv_bytes_per_block(config, 4, torch.float32))
+    core = EngineCore(fused, Tokenizer.tiny(), engine_config)
+    got = run(core, {0: requests[:2], 2: requests[2:]})
+    equal = {r.request_id: got[r.request_id] == reference(plain, r) for r in requests}
+    return {"rows_equal_reference": equal, "steps_by_path": dict(core.runner.num_steps_by_path)}
+
+
+def full_first_audio(prompt_len: int = 512, reps: int = 5) -> dict:
+    """Time from add_request to the first audio code, full model, one conversation, fast path."""
+    config = EngineConfig(model="full", device="cuda", dtype="bfloat16", fast_path=True, max_num_running=8,
+                          max_model_len=2048, kv_cache_bytes=4 * 2**30)
+    model = build_model(ModelConfig.preset("full"), seed=0, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    core = EngineCore(model, Tokenizer.tiny(), config)
+    setup_s = time.perf_counter() - t0
+    samples = []
+    for i in range(reps + 1):
+        request = GenerationRequest(f"a{i}", prompt(random.Random(i), prompt_len, audio_out=True), GREEDY, GREEDY,
+                                    max_new_tokens=4)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.add_request(request)
+        first = None
+        while core.has_work:
+            events = core.step()
+            if first is None and any(isinstance(e, AudioCodes) for _, e in events):
+                first = time.perf_counter() - start
+        if i:  # the first request warms up
+            samples.append(first)
+    return {"prompt_len": prompt_len, "setup_s": round(setup_s, 2),
+            "first_audio_code_ms": [round(1e3 * s, 2) if s is not None else None for s in samples],
+            "steps_by_path": dict(core.runner.num_steps_by_path)}
+
+
+if __name__ == "__main__":
+    result = {"tiny_float32": tiny_exact()}
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    result["full_bf16"] = full_first_audio()
+    print(json.dumps(result))
