@@ -34,6 +34,7 @@ from bench.measure import (  # the repo root is on sys.path now
     BYTES_PER_SAMPLE,
     SAMPLE_RATE,
     AudioTimeline,
+    LoopLag,
     RequestResult,
     plot_levels,
     requests_per_level,
@@ -242,18 +243,22 @@ async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_
     most = max([*concurrency_levels, warmup, 1]) + 16
     limits = httpx.Limits(max_connections=None if rate else most, max_keepalive_connections=most)
     levels: list[dict[str, Any]] = []
+    lag = LoopLag()
     async with httpx.AsyncClient(limits=limits) as client:
         if rate is not None:
             if warmup:
                 await run_closed_loop(client, load, warmup, warmup)
+            lag.start()
             results, wall_s = await run_open_loop(client, load, rate, duration_s, seed)
-            levels.append(summarize(results, wall_s, rate_per_s=rate, duration_s=duration_s))
+            levels.append(summarize(results, wall_s, rate_per_s=rate, duration_s=duration_s,
+                                    driver_loop_lag_s=lag.stop()))
             return levels
         for concurrency, count in zip(concurrency_levels, num_requests, strict=True):
             if warmup:
                 await run_closed_loop(client, load, concurrency, warmup)
+            lag.start()
             results, wall_s = await run_closed_loop(client, load, concurrency, count)
-            levels.append(summarize(results, wall_s, concurrency=concurrency))
+            levels.append(summarize(results, wall_s, concurrency=concurrency, driver_loop_lag_s=lag.stop()))
             if on_level is not None:
                 on_level(levels)
     return levels

@@ -9,8 +9,10 @@ audio duration) and the buffer underruns of a listener who starts playback on th
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -115,6 +117,37 @@ class AudioTimeline:
         self.result.e2e_s = now - self.started
         self.result.num_underruns = self.clock.num_underruns
         self.result.stall_s = self.clock.stall_s
+
+
+class LoopLag:
+    """How late the driver's own event loop wakes up (sleeps of `interval_s`, lateness recorded).
+
+    At high concurrency one Python process reads every stream; when its loop lags, the driver's
+    timestamps (TTFA, gaps) include that lag. Reported per level as `driver_loop_lag_s`.
+    """
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        self.interval_s = interval_s
+        self.lags_s: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.lags_s.append(max(0.0, time.perf_counter() - before - self.interval_s))
+
+    def start(self) -> None:
+        """Start sampling (call inside the running loop)."""
+        self.lags_s = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> dict[str, float | int | None]:
+        """Stop sampling -> percentiles of the lateness in seconds."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        return percentiles(self.lags_s)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.measure import (  # the repo root is on sys.path now
     AudioTimeline,
+    LoopLag,
     RequestResult,
     plot_levels,
     requests_per_level,
@@ -183,13 +184,15 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                                 seed=args.seed, temperature=args.temperature)
 
     out: list[dict[str, Any]] = []
+    lag = LoopLag()
     try:
         for concurrency, count in zip(levels, requests_per_level(levels, args.requests), strict=True):
             if args.warmup:
                 await pipeline.closed_loop(make_request, concurrency, args.warmup)
+            lag.start()
             results, wall_s = await pipeline.closed_loop(make_request, concurrency, count)
             stats = pipeline.engine.stats()
-            out.append(summarize(results, wall_s, concurrency=concurrency,
+            out.append(summarize(results, wall_s, concurrency=concurrency, driver_loop_lag_s=lag.stop(),
                                  engine_preemptions=stats.num_preemptions,
                                  vocoder_steps=pipeline.batcher.num_steps))
             summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")), levels=out)
