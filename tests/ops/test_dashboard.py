@@ -74,3 +74,11 @@ def test_every_queried_metric_is_defined_by_the_code_or_exported_by_ray_serve() 
     defined_families = {n.removesuffix("_bucket").removesuffix("_total") for n in defined
                         if not n.endswith(("_sum", "_count"))}
     assert defined_families - families == set()
+
+
+def test_every_project_metric_the_dashboard_queries_is_listed_in_docs_metrics() -> None:
+    listed = (REPO / "docs" / "metrics.md").read_text()
+    used = set().union(*(promql_metric_names(e) for e in dashboard_exprs(load_dashboard())))
+    project = {n for n in used if n.startswith("ray_moss_")}
+    assert len(project) == 14
+    assert {n for n in project if f"`{n}`" not in listed} == set()
