@@ -138,21 +138,42 @@ class BigVGANConfig:
         }
 
 
+LATENCY_MODES = ("low", "exact")
+
+
 @dataclass(frozen=True)
 class StreamConfig:
-    """When a session emits PCM and how much mel context BigVGAN gets on each side of a chunk."""
+    """When a session emits PCM and how much mel context BigVGAN gets on each side of a chunk.
 
-    first_chunk_codes: int = 2  # emit as soon as this many codes of final PCM exist (low latency)
-    chunk_codes: int = 8  # later chunks: wait for this many codes of final PCM (amortises the window)
-    # None = the exact receptive field of the generator (streamed PCM == whole PCM up to float rounding).
-    # A smaller value trades exactness for latency (see docs/vocoder.md).
+    latency "low" (default): a chunk leaves as soon as its codes have the encoder lookahead; BigVGAN sees
+    `vocoder_right_context_frames` (default 0) past the chunk; the last `overlap_samples` of each chunk are
+    held back and crossfaded (raised cosine) with the next chunk's recomputation of them. Chunk boundaries
+    follow `chunk_schedule_codes` at fixed code positions, so the audio depends on the codes only, not on
+    how they were pushed or batched. latency "exact": wait for BigVGAN's whole right context (streamed PCM
+    == whole PCM up to float rounding); chunking by `first_chunk_codes` / `chunk_codes`.
+    """
+
+    latency: str = "low"
+    # low: chunk sizes in codes; the last one repeats
+    chunk_schedule_codes: tuple[int, ...] = (2, 3, 5, 10, 25)
+    overlap_samples: int = 1920  # low: held back at a chunk's end, crossfaded with the next chunk
+    first_chunk_codes: int = 2  # exact: emit as soon as this many codes of final PCM exist
+    chunk_codes: int = 8  # exact: later chunks wait for this many codes of final PCM (amortises the window)
+    # None = exact mode: the generator's exact receptive field (streamed PCM == whole PCM up to rounding);
+    # low mode: left = exact field, right = 0. Other values trade exactness for latency (docs/vocoder.md).
     vocoder_left_context_frames: int | None = None
     vocoder_right_context_frames: int | None = None
 
     def validate(self) -> None:
-        """Raise ValueError on chunk sizes below one code or negative contexts."""
+        """Raise ValueError on unknown modes, chunk sizes below one code, negative contexts or overlaps."""
+        if self.latency not in LATENCY_MODES:
+            raise ValueError(f"latency must be one of {LATENCY_MODES}, got {self.latency!r}")
         if self.first_chunk_codes < 1 or self.chunk_codes < 1:
             raise ValueError("first_chunk_codes and chunk_codes must be >= 1")
+        if not self.chunk_schedule_codes or min(self.chunk_schedule_codes) < 1:
+            raise ValueError("chunk_schedule_codes must be a non-empty tuple of sizes >= 1")
+        if not 0 <= self.overlap_samples < SAMPLES_PER_CODE * min(self.chunk_schedule_codes):
+            raise ValueError("overlap_samples must be >= 0 and shorter than the smallest scheduled chunk")
         for value in (self.vocoder_left_context_frames, self.vocoder_right_context_frames):
             if value is not None and value < 0:
                 raise ValueError("vocoder context frames must be >= 0")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vocoder.config import MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES
@@ -30,8 +31,11 @@ class VocoderSession:
     flow_cursor: int  # codes whose mel is final (flow integrated); their frames are [0, 4 * flow_cursor)
     mel: torch.Tensor  # [80, F] vocoder input history: absolute frames [mel_start, mel_start + F)
     mel_start: int
-    emitted_frames: int  # absolute frame up to which PCM has been returned (starts at 4P)
+    emitted_frames: int  # absolute frame up to which PCM has been computed (starts at 4P)
     num_samples_emitted: int = 0
+    num_chunks: int = 0  # chunks computed so far (low latency: index into the chunk schedule)
+    # low latency: the last samples computed before `emitted_frames`, not yet returned (crossfaded later)
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     is_closed: bool = False
 
     @property

@@ -29,6 +29,7 @@ class FlowStatePool:
         self.dtype = dtype
         self.tensors = [self._zeros(capacity, c, ctx) for c, ctx in shapes]
         self.free_slots = list(range(capacity - 1, -1, -1))
+        self.generation = 0  # bumped when the tensors are reallocated (captured graphs must be dropped)
 
     def _zeros(self, capacity: int, channels: int, context: int) -> torch.Tensor:
         return torch.zeros(
@@ -61,6 +62,7 @@ class FlowStatePool:
                 for t, (c, ctx) in zip(self.tensors, self.shapes)
             ]
             self.free_slots = list(range(new - 1, old - 1, -1))
+            self.generation += 1
         slot = self.free_slots.pop()
         for t in self.tensors:
             t[slot].zero_()
@@ -87,3 +89,11 @@ class FlowStatePool:
             t[slots, step] = (
                 c.reshape(self.num_branches, b, c.shape[1], c.shape[2]).transpose(0, 1).to(t.dtype)
             )
+
+    def write_steps(self, slots: torch.Tensor, stacked: list[torch.Tensor]) -> None:
+        """All Euler steps at once: stacked[l] is layer l's caches [num_steps, branches*B, C, ctx]."""
+        assert len(stacked) == len(self.tensors)
+        b = slots.shape[0]
+        for t, c in zip(self.tensors, stacked):
+            k, _, ch, ctx = c.shape
+            t[slots] = c.reshape(k, self.num_branches, b, ch, ctx).permute(2, 0, 1, 3, 4).to(t.dtype)

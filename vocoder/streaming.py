@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, VocoderConfig
 from vocoder.flow import FlowDecoder
+from vocoder.graphs import GraphedFunction
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
 from vocoder.noise import batch_frame_noise, check_seed, frame_noise
 from vocoder.session import VocoderSession, check_codes
@@ -24,9 +26,12 @@ class StreamingVocoder:
     """Streaming codec decoder (flow matching to mel, BigVGAN to PCM); see docs/vocoder.md.
 
     Over a session's life the PCM returned by push/step/finish adds up to exactly
-    SAMPLES_PER_CODE * codes pushed, and equals `decode_whole` on the same codes within float rounding,
-    whatever the chunking and whichever other sessions share a step. Not thread-safe: drive one instance
-    from one thread (or event loop) at a time.
+    SAMPLES_PER_CODE * codes pushed, whatever the chunking and whichever other sessions share a step.
+    latency "exact": it equals `decode_whole` on the same codes within float rounding. latency "low"
+    (default): chunks leave after their codes' encoder lookahead, with crossfaded ends; the audio is a
+    function of the codes alone (not of push sizes or batch neighbours) and stays close to `decode_whole`
+    (docs/vocoder.md states the measured bound). Not thread-safe: drive one instance from one thread
+    (or event loop) at a time.
     """
 
     def __init__(
@@ -48,14 +53,20 @@ class StreamingVocoder:
         self.voices = voices
         exact_left, exact_right = receptive_field_frames(self.generator)
         stream = config.stream
+        self.is_low_latency = stream.latency == "low"
+        self.exact_left_context = exact_left
         self.left_context = (
             exact_left if stream.vocoder_left_context_frames is None else stream.vocoder_left_context_frames
         )
+        default_right = 0 if self.is_low_latency else exact_right
         self.right_context = (
-            exact_right
+            default_right
             if stream.vocoder_right_context_frames is None
             else stream.vocoder_right_context_frames
         )
+        self.overlap_samples = stream.overlap_samples if self.is_low_latency else 0
+        self._overlap_frames = -(-self.overlap_samples // HOP_LENGTH)  # frames re-vocoded for the crossfade
+        self._fade_in, self._fade_out = crossfade_weights(self.overlap_samples)
         self.history_codes = config.flow.encoder.left_context_codes
         self.pool = FlowStatePool(
             self.flow.cache_shapes(),
@@ -65,6 +76,35 @@ class StreamingVocoder:
             dtype=dtype,
         )
         self._voice_mel: dict[str, torch.Tensor] = {}
+        # Per-chunk tensor functions; `use_cuda_graphs` swaps in graph-replaying wrappers.
+        self._encode = self.flow.encoder
+        self._flow_step = self._solve_from_pool
+        self._generate = self.generator
+        self._graphed: list[GraphedFunction] = []
+        self._graph_pool_generation = self.pool.generation
+
+    def use_cuda_graphs(self, *, max_graphs: int = 32) -> None:
+        """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
+
+        Worth it where shapes repeat (the first chunk of a stream, steady-state steps of a fixed schedule);
+        shapes seen once stay eager. On CPU the same static-buffer path runs without graphs (tests).
+        """
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self._graphed = [
+            GraphedFunction(fn, max_graphs=max_graphs, pool=pool)
+            for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
+        ]
+        self._encode, self._flow_step, self._generate = self._graphed
+        self._graph_pool_generation = self.pool.generation
+
+    @property
+    def graph_stats(self) -> dict[str, int]:
+        """Captured graphs, replays and eager calls over all graphed functions (zeros without graphs)."""
+        return {
+            "num_graphs": sum(g.num_graphs for g in self._graphed),
+            "num_replays": sum(g.num_replays for g in self._graphed),
+            "num_eager_calls": sum(g.num_eager_calls for g in self._graphed),
+        }
 
     @classmethod
     def from_preset(
@@ -224,22 +264,23 @@ class StreamingVocoder:
             )  # [80, 4P]
         return self._voice_mel[voice.name]
 
-    def _emit_target(self, s: VocoderSession, finishing: bool) -> int:
-        """Absolute frame up to which this step would emit PCM (== emitted_frames: nothing)."""
+    def _chunk_ends(self, s: VocoderSession, finishing: bool) -> list[int]:
+        """Absolute frames at which the chunks this step computes end, in order (empty: nothing yet)."""
         if finishing:
-            return _F * s.num_codes
+            return [_F * s.num_codes] if _F * s.num_codes > s.emitted_frames else []
         final_frames = _F * max(0, s.num_codes - LOOKAHEAD_CODES)
+        stream = self.config.stream
+        if self.is_low_latency:
+            return scheduled_chunk_ends(
+                s.emitted_frames, s.num_chunks, final_frames, stream.chunk_schedule_codes, self.right_context
+            )
         target = final_frames - self.right_context
-        need = (
-            self.config.stream.first_chunk_codes
-            if s.is_first_chunk_pending
-            else self.config.stream.chunk_codes
-        )
-        return target if target - s.emitted_frames >= _F * need else s.emitted_frames
+        need = stream.first_chunk_codes if s.is_first_chunk_pending else stream.chunk_codes
+        return [target] if target - s.emitted_frames >= _F * need else []
 
     def _run(self, sessions: list[VocoderSession], finishing: bool) -> list[np.ndarray]:
-        targets = [self._emit_target(s, finishing) for s in sessions]
-        ready = [i for i, (s, t) in enumerate(zip(sessions, targets)) if t > s.emitted_frames]
+        plans = [self._chunk_ends(s, finishing) for s in sessions]
+        ready = [i for i, ends in enumerate(plans) if ends]
         out = [_EMPTY] * len(sessions)
         if not ready:
             return out
@@ -248,10 +289,27 @@ class StreamingVocoder:
                 sessions[i].num_codes if finishing else sessions[i].num_codes - LOOKAHEAD_CODES for i in ready
             ]
             self._advance_flow([sessions[i] for i in ready], flow_targets)
-            pcm = self._vocode([sessions[i] for i in ready], [targets[i] for i in ready], finishing)
+            pcm = self._vocode([sessions[i] for i in ready], [plans[i] for i in ready])
         for i, wav in zip(ready, pcm):
             out[i] = wav
         return out
+
+    def _solve_from_pool(
+        self,
+        mu: torch.Tensor,
+        speaker: torch.Tensor,
+        cond: torch.Tensor,
+        noise: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Pure per-chunk flow step (graphable): read caches of `slots`, integrate, return the new caches.
+
+        -> mel [B, 80, T] and per conv layer the caches of all Euler steps [K, branches*B, C, ctx].
+        """
+        caches = [self.pool.read(slots, k) for k in range(self.config.flow.num_steps)]
+        mel, new_caches = self.flow.solve(mu, speaker, cond, noise, caches, valid)
+        return mel, [torch.stack(layer) for layer in zip(*new_caches)]
 
     def _advance_flow(self, sessions: list[VocoderSession], targets: list[int]) -> None:
         """Encoder + Euler integration for code positions [flow_cursor, target) of each session, batched."""
@@ -265,7 +323,7 @@ class StreamingVocoder:
         for row, w in enumerate(windows):
             codes[row, : len(w)] = torch.tensor(w, dtype=torch.long)
         num_valid = torch.tensor([len(w) for w in windows], device=self.device)
-        mu_all = self.flow.encoder(codes.to(self.device), num_valid)  # [B, 80, 4 * n_max]
+        mu_all = self._encode(codes.to(self.device), num_valid)  # [B, 80, 4 * n_max]
 
         new_frames = [_F * (t - s.flow_cursor) for s, t in work]
         t_max = max(new_frames)
@@ -286,10 +344,11 @@ class StreamingVocoder:
         speaker = torch.stack([s.speaker for s, _ in work])  # [B, 80]
         slots = torch.tensor([s.slot for s, _ in work], device=self.device)
         valid = torch.tensor(new_frames, device=self.device)
-        caches = [self.pool.read(slots, k) for k in range(self.config.flow.num_steps)]
-        mel, new_caches = self.flow.solve(mu, speaker, cond, noise, caches, valid)  # [B, 80, T]
-        for k, step_caches in enumerate(new_caches):
-            self.pool.write(slots, k, step_caches)
+        if self._graphed and self.pool.generation != self._graph_pool_generation:
+            self._graphed[1].reset()  # the pool grew: graphs read its old tensors
+            self._graph_pool_generation = self.pool.generation
+        mel, stacked = self._flow_step(mu, speaker, cond, noise, slots, valid)  # mel [B, 80, T]
+        self.pool.write_steps(slots, stacked)
 
         for row, (s, t) in enumerate(work):
             f0, f1 = _F * s.flow_cursor, _F * t
@@ -302,44 +361,67 @@ class StreamingVocoder:
             s.codes = s.codes[keep_from - s.codes_start :]
             s.codes_start = keep_from
 
-    def _vocode(
-        self, sessions: list[VocoderSession], targets: list[int], finishing: bool
-    ) -> list[np.ndarray]:
-        """BigVGAN over [emitted - left, target + right) per session; returns the final samples only."""
-        windows = []
-        for s, target in zip(sessions, targets):
-            start = max(s.mel_start, s.emitted_frames - self.left_context)
-            stop = s.mel_end if finishing else min(s.mel_end, target + self.right_context)
-            assert stop >= target, (stop, target)
-            windows.append((start, stop))
-        # Right-padding is harmless when a window ends `right_context` frames past its target; a window
-        # ending at the true end of a stream must not be padded, so finishing windows run per length.
-        if finishing:
-            groups: dict[int, list[int]] = {}
-            for i, (a, z) in enumerate(windows):
-                groups.setdefault(z - a, []).append(i)
-            batches = list(groups.values())
-        else:
-            batches = [list(range(len(sessions)))]
-        out: list[np.ndarray] = [_EMPTY] * len(sessions)
+    def _vocode(self, sessions: list[VocoderSession], plans: list[list[int]]) -> list[np.ndarray]:
+        """BigVGAN over each chunk's window; returns per session the samples that leave now.
+
+        A chunk [a, e) (frames) whose session holds back h samples is vocoded over
+        [a - ceil(h / 480) - left, e + right) (clipped to the mel history) and yields samples
+        [480 a - h, 480 e): the held ones are recomputed and crossfaded, the last `overlap_samples` are held
+        unless the chunk ends the stream (exact mode: h = 0 and nothing is held).
+        """
+        # (session index, first returned sample, chunk end frame, window start frame, window stop frame)
+        rows: list[tuple[int, int, int, int, int]] = []
+        for si, (s, ends) in enumerate(zip(sessions, plans)):
+            a = s.emitted_frames
+            for k, e in enumerate(ends):
+                held = len(s.held) if k == 0 else self.overlap_samples
+                start = max(s.mel_start, a - self._overlap_frames * (held > 0) - self.left_context)
+                stop = min(s.mel_end, e + self.right_context)
+                assert stop >= e, (stop, e)
+                rows.append((si, a * HOP_LENGTH - held, e, start, stop))
+                a = e
+        # A window whose left edge lies a whole field before its first returned sample cannot feel that
+        # edge, so such rows share one right-aligned (left-padded) batch; the right edge, which low-latency
+        # chunks do feel, is then each row's own. Other rows run in groups of equal length (no padding).
+        free = [
+            r
+            for r, (_, out0, _, start, _) in enumerate(rows)
+            if self.left_context >= self.exact_left_context
+            and start == out0 // HOP_LENGTH - self.left_context
+        ]
+        groups: dict[int, list[int]] = {}
+        for r, (_, _, _, start, stop) in enumerate(rows):
+            if r not in free:
+                groups.setdefault(stop - start, []).append(r)
+        batches = ([free] if free else []) + list(groups.values())
+        pcm: list[np.ndarray] = [_EMPTY] * len(rows)
         for batch in batches:
-            t_max = max(windows[i][1] - windows[i][0] for i in batch)
+            t_max = max(rows[r][4] - rows[r][3] for r in batch)
             mel = torch.zeros(len(batch), sessions[0].mel.shape[0], t_max, device=self.device)  # [B, 80, T]
-            for row, i in enumerate(batch):
-                s, (a, z) = sessions[i], windows[i]
-                mel[row, :, : z - a] = s.mel[:, a - s.mel_start : z - s.mel_start]
-            wav = vocode(self.generator, mel).float().cpu().numpy()  # [B, T * 480], one transfer
-            for row, i in enumerate(batch):
-                s, (a, _) = sessions[i], windows[i]
-                lo, hi = (s.emitted_frames - a) * HOP_LENGTH, (targets[i] - a) * HOP_LENGTH
-                out[i] = wav[row, lo:hi].copy()
-        for s, target in zip(sessions, targets):
-            s.num_samples_emitted += (target - s.emitted_frames) * HOP_LENGTH
-            s.emitted_frames = target
-            keep_from = max(s.mel_start, target - self.left_context)
+            for row, r in enumerate(batch):
+                s, (_, _, _, start, stop) = sessions[rows[r][0]], rows[r]
+                mel[row, :, t_max - (stop - start) :] = s.mel[:, start - s.mel_start : stop - s.mel_start]
+            wav = self._generate(mel.to(self.dtype))[:, 0, :].float().cpu().numpy()  # [B, T * 480]
+            assert wav.shape[1] == t_max * HOP_LENGTH, (wav.shape, t_max)
+            for row, r in enumerate(batch):
+                _, out0, end, start, stop = rows[r]
+                shift = (t_max - (stop - start) - start) * HOP_LENGTH  # absolute sample -> column
+                pcm[r] = wav[row, out0 + shift : end * HOP_LENGTH + shift]
+        parts: list[list[np.ndarray]] = [[] for _ in sessions]
+        for (si, _, end, _, _), new in zip(rows, pcm):
+            s = sessions[si]
+            is_stream_end = end == _F * s.num_codes and s.flow_cursor == s.num_codes
+            hold = 0 if is_stream_end else self.overlap_samples
+            ready, s.held = join_chunk(s.held, new, self._fade_in, self._fade_out, hold)
+            parts[si].append(ready)
+            s.num_samples_emitted += len(ready)
+            s.emitted_frames = end
+            s.num_chunks += 1
+        for s in sessions:
+            keep_from = max(s.mel_start, s.emitted_frames - self._overlap_frames - self.left_context)
             s.mel = s.mel[:, keep_from - s.mel_start :]
             s.mel_start = keep_from
-        return out
+        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

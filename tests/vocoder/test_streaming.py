@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from vocoder import SAMPLES_PER_CODE, StreamingVocoder
+from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 
 # Streamed PCM equals decode_whole up to float32 rounding (different conv lengths / batch shapes).
 TOLERANCE = 1e-5
@@ -13,9 +15,15 @@ NUM_CODES = 30
 SEED = 7
 
 
+def exact_config() -> VocoderConfig:
+    """tiny in the exact streaming mode (the default is low latency: tests/vocoder/test_low_latency.py)."""
+    cfg = VocoderConfig.preset("tiny")
+    return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, latency="exact"))
+
+
 @pytest.fixture(scope="module")
 def vocoder() -> StreamingVocoder:
-    return StreamingVocoder.from_preset("tiny")
+    return StreamingVocoder.from_preset("tiny", config=exact_config())
 
 
 @pytest.fixture(scope="module")
@@ -208,15 +216,12 @@ def test_session_state_stays_bounded(vocoder: StreamingVocoder) -> None:
 
 
 def test_measured_context_keeps_streaming_exact(codes: list[int]) -> None:
-    import dataclasses
-
-    from vocoder import VocoderConfig
     from vocoder.mel_vocoder import effective_context_frames
 
-    base = StreamingVocoder.from_preset("tiny")
+    base = StreamingVocoder.from_preset("tiny", config=exact_config())
     left, right = effective_context_frames(base.generator, tolerance=1e-6)
     assert 0 < left < base.left_context and 0 < right < base.right_context  # field's far taps are negligible
-    cfg = VocoderConfig.preset("tiny")
+    cfg = exact_config()
     stream_cfg = dataclasses.replace(
         cfg.stream, vocoder_left_context_frames=left + 1, vocoder_right_context_frames=right + 1
     )

@@ -1,0 +1,178 @@
+"""Low-latency streaming (the default) on the tiny preset: first chunk after 2 + 3 codes, exact lengths,
+audio independent of push sizes and batch neighbours, close to decode_whole, no seams, CUDA-graph plumbing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
+
+NUM_CODES = 30
+SEED = 7
+OVERLAP = 1920  # default overlap_samples: held back at each chunk end and crossfaded
+# Chunk ends (codes) of the default schedule (2, 3, 5, 10, 25) within 30 codes; the rest goes at finish.
+CHUNK_ENDS = [2, 5, 10, 20]
+SAME = 1e-5  # float rounding between different batch shapes
+# Measured against decode_whole (tiny, random weights, 30 codes, seed 7): outside the crossfade regions
+# max |diff| 2.0e-3, overall 3.95e-2, relative energy error 4.7e-3 (reference std 0.033).
+OUTSIDE_CROSSFADE_TOL = 5e-3
+OVERALL_TOL = 6e-2
+ENERGY_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def vocoder() -> StreamingVocoder:
+    voc = StreamingVocoder.from_preset("tiny")
+    assert voc.is_low_latency and (voc.left_context, voc.right_context) == (16, 0)
+    return voc
+
+
+@pytest.fixture(scope="module")
+def codes() -> list[int]:
+    return np.random.default_rng(0).integers(0, 16384, NUM_CODES).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(vocoder: StreamingVocoder, codes: list[int]) -> np.ndarray:
+    return vocoder.decode_whole("default", codes, seed=SEED)
+
+
+def stream(
+    voc: StreamingVocoder, codes: list[int], schedule: list[int], seed: int = SEED
+) -> list[np.ndarray]:
+    session = voc.open("default", seed=seed)
+    chunks, i = [], 0
+    for n in schedule:
+        chunks.append(voc.push(session, codes[i : i + n]))
+        i += n
+    assert i == len(codes)
+    chunks.append(voc.finish(session))
+    assert session.num_samples_emitted == len(codes) * SAMPLES_PER_CODE
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def by_one(vocoder: StreamingVocoder, codes: list[int]) -> list[np.ndarray]:
+    return stream(vocoder, codes, [1] * NUM_CODES)
+
+
+def test_first_chunk_after_two_plus_lookahead_codes_and_exact_chunk_sizes(by_one: list[np.ndarray]) -> None:
+    # Chunk [a, e) leaves at push e + 3 with its samples minus the held 1920, plus the 1920 held before.
+    sizes = {i + 1: len(c) for i, c in enumerate(by_one) if len(c)}
+    assert sizes == {
+        5: 2 * SAMPLES_PER_CODE - OVERLAP,  # first audio after exactly 2 + 3 codes
+        8: 3 * SAMPLES_PER_CODE,
+        13: 5 * SAMPLES_PER_CODE,
+        23: 10 * SAMPLES_PER_CODE,
+        NUM_CODES + 1: 10 * SAMPLES_PER_CODE + OVERLAP,  # finish: codes 20..30 and the held samples
+    }
+    assert all(c.dtype == np.float32 for c in by_one)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [[2] * 15, [5] * 6, [25, 5], [NUM_CODES], [3, 1, 7, 2, 0, 11, 6]],
+    ids=["by2", "by5", "by25", "all", "irregular"],
+)
+def test_audio_depends_on_codes_not_on_push_sizes(
+    vocoder: StreamingVocoder, codes: list[int], by_one: list[np.ndarray], schedule: list[int]
+) -> None:
+    pcm = np.concatenate(stream(vocoder, codes, schedule))
+    assert len(pcm) == NUM_CODES * SAMPLES_PER_CODE
+    assert float(np.abs(pcm - np.concatenate(by_one)).max()) < SAME
+
+
+def test_close_to_whole_and_exact_outside_crossfades(by_one: list[np.ndarray], reference: np.ndarray) -> None:
+    pcm = np.concatenate(by_one)
+    assert pcm.shape == reference.shape and np.isfinite(pcm).all()
+    diff = np.abs(pcm - reference)
+    outside = np.ones(len(pcm), dtype=bool)
+    for end in CHUNK_ENDS:
+        outside[end * SAMPLES_PER_CODE - OVERLAP : end * SAMPLES_PER_CODE] = False
+    assert float(diff[outside].max()) < OUTSIDE_CROSSFADE_TOL
+    assert float(diff.max()) < OVERALL_TOL
+    energy_error = float(((pcm - reference) ** 2).sum() / (reference**2).sum())
+    assert energy_error < ENERGY_TOL
+    # After the last scheduled chunk the tail is vocoded to the true end: equal to the whole pass.
+    tail = slice(CHUNK_ENDS[-1] * SAMPLES_PER_CODE, None)
+    assert float(diff[tail].max()) < SAME
+
+
+def test_no_seams_at_chunk_boundaries(by_one: list[np.ndarray]) -> None:
+    pcm = np.concatenate(by_one)
+    returned = np.cumsum([len(c) for c in by_one if len(c)])[:-1]  # where one returned array meets the next
+    crossfade_ends = np.array(CHUNK_ENDS) * SAMPLES_PER_CODE
+    bounds = np.concatenate([returned, crossfade_ends])
+    jumps = np.abs(np.diff(pcm))
+    inside = np.delete(jumps, bounds - 1)
+    assert float(jumps[bounds - 1].max()) <= float(inside.max())
+
+
+def test_step_batches_sessions_in_different_phases_without_changing_their_audio(
+    vocoder: StreamingVocoder, codes: list[int], by_one: list[np.ndarray]
+) -> None:
+    other_codes = np.random.default_rng(1).integers(0, 16384, 17).tolist()
+    other_alone = np.concatenate(stream(vocoder, other_codes, [17], seed=99))
+    rows: list[int] = []
+    hook = vocoder.generator.register_forward_hook(lambda m, i, o: rows.append(o.shape[0]))
+    a, b, idle = vocoder.open_many([("default", SEED), ("default", 99), ("default", 3)])
+    out_a, out_b = [], []
+    schedule_b = [1, 7, 0, 2, 3, 4]  # b runs ahead of a early, then a catches up: different chunks per step
+    for i, n_b in enumerate(schedule_b):
+        start_b = sum(schedule_b[:i])
+        pcm = vocoder.step(
+            [(idle, []), (a, codes[5 * i : 5 * i + 5]), (b, other_codes[start_b : start_b + n_b])]
+        )
+        assert len(pcm[0]) == 0
+        out_a.append(pcm[1])
+        out_b.append(pcm[2])
+    tails = vocoder.finish_many([a, b, idle])
+    hook.remove()
+    assert max(rows) >= 2  # chunks of a and b shared BigVGAN forwards
+    assert len(tails[2]) == 0
+    pcm_a = np.concatenate([*out_a, tails[0]])
+    pcm_b = np.concatenate([*out_b, tails[1]])
+    assert len(pcm_a) == NUM_CODES * SAMPLES_PER_CODE and len(pcm_b) == 17 * SAMPLES_PER_CODE
+    assert float(np.abs(pcm_a - np.concatenate(by_one)).max()) < SAME
+    assert float(np.abs(pcm_b - other_alone).max()) < SAME
+
+
+def test_short_streams_and_right_context_setting(codes: list[int]) -> None:
+    cfg = VocoderConfig.preset("tiny")
+    with_right = dataclasses.replace(
+        cfg, stream=dataclasses.replace(cfg.stream, vocoder_right_context_frames=4, overlap_samples=960)
+    )
+    voc = StreamingVocoder.from_preset("tiny", config=with_right)
+    chunks = stream(voc, codes[:12], [1] * 12)
+    sizes = {i + 1: len(c) for i, c in enumerate(chunks) if len(c)}
+    # 4 frames of right context = one more code before the first chunk: 2 + 3 + 1 pushes.
+    assert sizes == {6: 2 * SAMPLES_PER_CODE - 960, 9: 3 * SAMPLES_PER_CODE, 13: 7 * SAMPLES_PER_CODE + 960}
+    for n in range(5):  # shorter than the first chunk + lookahead: all audio comes at finish
+        assert [len(c) for c in stream(voc, codes[:n], [n])] == [0, n * SAMPLES_PER_CODE]
+
+
+def test_low_latency_config_validation() -> None:
+    from vocoder.config import StreamConfig
+
+    with pytest.raises(ValueError, match="latency"):
+        StreamConfig(latency="fast").validate()
+    with pytest.raises(ValueError, match="chunk_schedule_codes"):
+        StreamConfig(chunk_schedule_codes=()).validate()
+    with pytest.raises(ValueError, match="overlap_samples"):
+        StreamConfig(chunk_schedule_codes=(1, 5), overlap_samples=1920).validate()
+    StreamConfig(chunk_schedule_codes=(1, 5), overlap_samples=0).validate()
+
+
+def test_graph_replay_path_matches_eager(codes: list[int], by_one: list[np.ndarray]) -> None:
+    # On CPU `use_cuda_graphs` runs the static-buffer path with the functions re-executed instead of graphs.
+    voc = StreamingVocoder.from_preset("tiny")
+    voc.use_cuda_graphs(max_graphs=8)
+    for _ in range(2):
+        pcm = np.concatenate(stream(voc, codes, [1] * NUM_CODES))
+        assert float(np.abs(pcm - np.concatenate(by_one)).max()) < SAME
+    stats = voc.graph_stats
+    assert stats["num_graphs"] > 0 and stats["num_replays"] > 0
+    assert stats["num_graphs"] <= 3 * 8
