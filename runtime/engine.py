@@ -55,6 +55,7 @@ class EngineConfig:
     weights_seed: int = 0
     queue_timeout_s: float = 300.0  # a request waiting longer ends with Finished("error")
     fast_path: bool = False  # fused weights + fused ops; decode steps in CUDA graphs on CUDA
+    fp8_scope: str | None = None  # fast path only: FP8 weights for "shared" | "layers" | "all" (docs/gpu.md)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -65,6 +66,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.fp8_scope is not None:
+            from runtime.fused import FP8_SCOPES
+
+            if self.fp8_scope not in FP8_SCOPES:
+                raise ValueError(f"fp8_scope must be one of {FP8_SCOPES} or None, got {self.fp8_scope!r}")
+            if not self.fast_path:
+                raise ValueError("fp8_scope needs fast_path=True (the plain model has no FP8 path)")
         self.scheduler_config()  # validates the scheduler limits
 
     @property
@@ -148,6 +156,12 @@ class EngineCore:
         self.model_config = model_config
         self.tokenizer = tokenizer
         device = next(model.parameters()).device
+        weights = None
+        if config.fast_path:  # before sizing the KV pool: FP8 frees the bf16 matrices
+            from runtime.fused import fuse_model_weights, quantize_model_in_place
+
+            weights = (quantize_model_in_place(model, config.fp8_scope) if config.fp8_scope is not None
+                       else fuse_model_weights(model))
         kv_cache = allocate_kv_cache(
             model_config, num_kv_blocks(config, model_config), config.block_size, device, config.torch_dtype
         )
@@ -155,7 +169,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
         self.runner = ModelRunner(
             model, kv_cache, fast_path=config.fast_path, max_model_len=config.max_model_len,
-            max_num_running=config.max_num_running,
+            max_num_running=config.max_num_running, weights=weights,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0

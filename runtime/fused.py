@@ -161,3 +161,40 @@ def with_fp8(weights: FusedWeights, scope: str = "all") -> FusedWeights:
             fp8, text_head=quantize_weight(weights.text_head), audio_head=quantize_weight(weights.audio_head)
         )
     return fp8
+
+
+@torch.no_grad()
+def quantize_model_in_place(model: MossSpeechForCausalLM, scope: str = "all") -> FusedWeights:
+    """Fuse, then quantize the `scope` matrices to FP8 one layer at a time, releasing each bf16 matrix as
+    soon as its FP8 twin exists (peak: bf16 weights + one layer). The model's parameters for those
+    matrices become empty, so only the fast path can run the model afterwards."""
+    if scope not in FP8_SCOPES:
+        raise ValueError(f"fp8 scope must be one of {FP8_SCOPES}, got {scope!r}")
+    weights = fuse_model_weights(model)
+    fields = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
+    del weights
+    modules = {layer.layer_idx: layer for block in (model.model.shared_block, model.model.text_block,
+                                                    model.model.audio_block) for layer in block.layers}
+    blocks = ("shared",) if scope == "shared" else ("shared", "text", "audio")
+    for block in blocks:
+        layers: list[LayerWeights] = list(fields.pop(block))
+        for i in range(len(layers)):
+            layer = layers[i]
+            layers[i] = dataclasses.replace(layer, **{k: quantize_weight(w) for k, w in layer.matrices().items()})
+            attn, mlp = modules[layer.layer_idx].self_attn, modules[layer.layer_idx].mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                           mlp.down_proj):
+                _release(linear)
+            del layer
+        fields[block] = tuple(layers)
+    if scope == "all":
+        for name, linear in (("text_head", model.text_lm_head), ("audio_head", model.audio_lm_head)):
+            fields[name] = quantize_weight(fields.pop(name))
+            _release(linear)
+    if fields["embed_text"].is_cuda:
+        torch.cuda.empty_cache()
+    return FusedWeights(**fields)
+
+
+def _release(linear: nn.Linear) -> None:
+    linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)

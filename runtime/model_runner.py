@@ -18,6 +18,7 @@ import torch
 
 from runtime.attention import AttentionMetadata
 from runtime.config import Row
+from runtime.fused import FusedWeights
 from runtime.kv_cache import KVCache
 from runtime.model import MossSpeechForCausalLM, split_rows
 from runtime.sampling import RequestSampler, sample_next_rows
@@ -42,8 +43,9 @@ class ModelRunner:
 
     def __init__(
         self, model: MossSpeechForCausalLM, kv_cache: KVCache, *, fast_path: bool = False,
-        max_model_len: int = 4096, max_num_running: int = 64,
+        max_model_len: int = 4096, max_num_running: int = 64, weights: FusedWeights | None = None,
     ) -> None:
+        """`weights`: the fast path's fused (possibly FP8) weights when the caller made them already."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
@@ -56,7 +58,7 @@ class ModelRunner:
             from runtime.fast_forward import FastForward
             from runtime.fused import fuse_model_weights
 
-            self.fast = FastForward(fuse_model_weights(model))
+            self.fast = FastForward(weights if weights is not None else fuse_model_weights(model))
             buckets = sorted({b for b in DEFAULT_BUCKETS if b < max_num_running} | {max_num_running})
             self.graphs = DecodeGraphRunner(self.fast, kv_cache, max_model_len=max_model_len, buckets=buckets)
             self.graphs.capture()  # no-op off CUDA

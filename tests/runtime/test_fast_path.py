@@ -16,7 +16,7 @@ from runtime.cuda_graph import DecodeGraphRunner, PrefillGraphRunner
 from runtime.fast_forward import FastForward, StepInputs
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import FP8_MAX, Fp8Weight, quantize_weight
-from runtime.fused import fuse_model_weights, with_fp8
+from runtime.fused import fuse_model_weights, quantize_model_in_place, with_fp8
 from runtime.kv_cache import KVCache, allocate_kv_cache
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 
@@ -171,3 +171,41 @@ def test_fp8_scopes_and_bytes(model: MossSpeechForCausalLM) -> None:
     assert every.matrix_bytes() == weights.matrix_bytes() // 4 + 4 * rows
     with pytest.raises(ValueError, match="fp8 scope"):
         with_fp8(weights, "heads")
+
+
+def test_quantize_model_in_place_releases_bf16_and_matches_with_fp8() -> None:
+    reference = FastForward(with_fp8(fuse_model_weights(build_model(CONFIG, seed=3)), "layers"), TorchOps())
+    model = build_model(CONFIG, seed=3)
+    fast = FastForward(quantize_model_in_place(model, "layers"), TorchOps())
+    layer = model.model.text_block.layers[0]
+    assert layer.self_attn.q_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
+    assert model.text_lm_head.weight.shape == (CONFIG.vocab_size, 64)  # heads stay bf16 with "layers"
+    assert isinstance(fast.weights.audio[1].gate_up, Fp8Weight)
+    rows = make_rows(6, 4)
+    cache_a = allocate_kv_cache(CONFIG, 4, BLOCK_SIZE, "cpu", torch.float32)
+    cache_b = allocate_kv_cache(CONFIG, 4, BLOCK_SIZE, "cpu", torch.float32)
+    tokens, is_audio, positions, attn = _plain_step(model, cache_a, [(rows, 6, [2, 0])])
+    step = StepInputs.from_metadata(tokens, is_audio, positions, attn)
+    for got, want in zip(fast(step, cache_a), reference(step, cache_b), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_engine_fp8_option() -> None:
+    from runtime.engine import EngineConfig, EngineCore
+    from runtime.request import GenerationRequest
+    from runtime.sampling import SamplingParams
+    from runtime.tokenizer import Tokenizer
+
+    with pytest.raises(ValueError, match="fast_path"):
+        EngineConfig(fp8_scope="all")
+    with pytest.raises(ValueError, match="fp8_scope"):
+        EngineConfig(fast_path=True, fp8_scope="everything")
+    model = build_model(CONFIG, seed=0)
+    config = EngineConfig(block_size=BLOCK_SIZE, fast_path=True, fp8_scope="all", kv_cache_bytes=1 << 20)
+    core = EngineCore(model, Tokenizer.tiny(), config)
+    assert model.text_lm_head.weight.numel() == 0 and isinstance(core.runner.fast.weights.text_head, Fp8Weight)
+    greedy = SamplingParams(temperature=0.0)
+    seq = core.add_request(GenerationRequest("q", tuple(make_rows(7, 8)), greedy, greedy, max_new_tokens=4))
+    while core.has_work:
+        core.step()
+    assert seq.num_generated == 4 or seq.rows[-1][0] in (151643, 151645)
