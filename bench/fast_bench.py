@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fast_checks import failed_ops, run_kernel_checks
 from bench.fast_tools import (
     Blocks,
+    compile_microbench,
     copy_bandwidth_gbps,
     decode_attention_sweep,
     gemv_microbench,
@@ -280,6 +281,9 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     result["decode_attention_sweep"] = decode_attention_sweep(cache, [1, 8, 64, 128], args.context_len, blocks.next)
     for row in result["decode_attention_sweep"]:
         log(f"attn sweep {json.dumps(row)}")
+    result["compile_vs_triton_ops"] = compile_microbench(device)
+    for row in result["compile_vs_triton_ops"]:
+        log(f"compile {json.dumps(row)}")
     result["gemv_1row_in_graph"] = gemv_microbench(device)
     for row in result["gemv_1row_in_graph"]:
         log(f"gemv {json.dumps(row)}")

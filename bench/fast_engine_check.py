@@ -1,11 +1,13 @@
 """The engine with `fast_path=True` on CUDA: exact rows on a tiny float32 model, and time to first audio
-code on the full random-weight bf16 model (prefill graph + decode graphs + sampling, no vocoder).
+code and the per-step decode time (graph replay + sampling + host work) on the full random-weight model,
+bf16 and FP8 (all matrices), one conversation, no vocoder.
 
     python bench/fast_engine_check.py      # prints one JSON line
 """
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import random
 import sys
@@ -74,35 +76,47 @@ def tiny_exact() -> dict:
     return {"rows_equal_reference": equal, "steps_by_path": dict(core.runner.num_steps_by_path)}
 
 
-def full_first_audio(prompt_len: int = 512, reps: int = 5) -> dict:
+def full_first_audio(prompt_len: int = 512, reps: int = 5, fp8_scope: str | None = None) -> dict:
     """Time from add_request to the first audio code, full model, one conversation, fast path."""
     config = EngineConfig(model="full", device="cuda", dtype="bfloat16", fast_path=True, max_num_running=8,
-                          max_model_len=2048, kv_cache_bytes=4 * 2**30)
+                          max_model_len=2048, kv_cache_bytes=4 * 2**30, fp8_scope=fp8_scope)
     model = build_model(ModelConfig.preset("full"), seed=0, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()
     core = EngineCore(model, Tokenizer.tiny(), config)
     setup_s = time.perf_counter() - t0
-    samples = []
+    samples, step_ms = [], []
     for i in range(reps + 1):
         request = GenerationRequest(f"a{i}", prompt(random.Random(i), prompt_len, audio_out=True), GREEDY, GREEDY,
-                                    max_new_tokens=4)
+                                    max_new_tokens=12)
         torch.cuda.synchronize()
         start = time.perf_counter()
         core.add_request(request)
         first = None
         while core.has_work:
+            t0 = time.perf_counter()
             events = core.step()
+            if first is not None and i:
+                step_ms.append(1e3 * (time.perf_counter() - t0))  # one decode step incl. sampling + host work
             if first is None and any(isinstance(e, AudioCodes) for _, e in events):
                 first = time.perf_counter() - start
         if i:  # the first request warms up
             samples.append(first)
-    return {"prompt_len": prompt_len, "setup_s": round(setup_s, 2),
+    out = {"fp8_scope": fp8_scope, "prompt_len": prompt_len, "setup_s": round(setup_s, 2),
             "first_audio_code_ms": [round(1e3 * s, 2) if s is not None else None for s in samples],
-            "steps_by_path": dict(core.runner.num_steps_by_path)}
+           "decode_step_ms_median": round(sorted(step_ms)[len(step_ms) // 2], 2) if step_ms else None,
+           "steps_by_path": dict(core.runner.num_steps_by_path),
+           "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    del core, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 if __name__ == "__main__":
     result = {"tiny_float32": tiny_exact()}
     print(json.dumps(result), file=sys.stderr, flush=True)
     result["full_bf16"] = full_first_audio()
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    result["full_fp8_all"] = full_first_audio(fp8_scope="all")
     print(json.dumps(result))

@@ -227,3 +227,63 @@ def decode_attention_sweep(cache: KVCache, batch_sizes: list[int], context_len: 
                 row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         out.append(row)
     return out
+
+
+def compile_microbench(device: torch.device) -> list[dict]:
+    """Does torch.compile pay for the small fused ops? Eager PyTorch ops vs torch.compile of the same
+    functions vs the hand-written Triton kernels, per call inside CUDA graphs, at 1 and 512 rows. (The
+    Triton q/k kernel also stores K/V into the cache; the compiled one only normalizes and rotates.)"""
+    from runtime.fast_ops import TorchOps, TritonOps, rope_tables
+    from runtime.layers import apply_rotary
+
+    ref, tri = TorchOps(), TritonOps()
+    bf16 = torch.bfloat16
+    cos, sin = rope_tables(4096, 128, 1e6, bf16, device)
+
+    def qk_norm_rope(qkv: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor, pos: torch.Tensor):
+        n = qkv.shape[0]
+        q, k, _ = qkv.split([4096, 1024, 1024], dim=1)
+        c, s = cos[pos], sin[pos]
+        qf = q.reshape(n, 32, 128).float()
+        kf = k.reshape(n, 8, 128).float()
+        qr = qn * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf16)
+        kr = kn * (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf16)
+        return apply_rotary(qr, c, s), apply_rotary(kr, c, s)
+
+    compiled = {"add_rmsnorm": torch.compile(ref.add_rmsnorm, dynamic=False),
+                "silu_mul": torch.compile(ref.silu_mul, dynamic=False),
+                "qk_norm_rope": torch.compile(qk_norm_rope, dynamic=False)}
+    out = []
+    kc = torch.randn(64, 16, 8, 128, device=device).to(bf16)
+    vc = torch.randn_like(kc)
+    for n in (1, 512):
+        x, res = torch.randn(n, 4096, device=device).to(bf16), torch.randn(n, 4096, device=device).to(bf16)
+        w = torch.ones(4096, device=device, dtype=bf16)
+        gu = torch.randn(n, 24576, device=device).to(bf16)
+        qkv = torch.randn(n, 6144, device=device).to(bf16)
+        qn = torch.ones(128, device=device, dtype=bf16)
+        pos = torch.arange(n, device=device)
+        slots = torch.arange(n, device=device)
+        cases = {
+            "add_rmsnorm": (functools.partial(ref.add_rmsnorm, x, res, w, 1e-6),
+                            functools.partial(compiled["add_rmsnorm"], x, res, w, 1e-6),
+                            functools.partial(tri.add_rmsnorm, x, res, w, 1e-6)),
+            "silu_mul": (functools.partial(ref.silu_mul, gu), functools.partial(compiled["silu_mul"], gu),
+                         functools.partial(tri.silu_mul, gu)),
+            "qk_norm_rope": (functools.partial(qk_norm_rope, qkv, qn, qn, pos),
+                             functools.partial(compiled["qk_norm_rope"], qkv, qn, qn, pos),
+                             functools.partial(tri.qk_norm_rope_store, qkv, qn, qn, cos, sin, pos, slots, kc, vc,
+                                               32, 8, 1e-6)),
+        }
+        for name, fns in cases.items():
+            row: dict = {"op": name, "rows": n}
+            for kind, fn in zip(("eager_torch", "torch_compile", "triton"), fns, strict=True):
+                try:
+                    t0 = time.perf_counter()
+                    fn()
+                    row[f"{kind}_first_call_s"] = round(time.perf_counter() - t0, 2)
+                    row[f"{kind}_us"] = round(graph_us_per_call([fn] * 20), 2)
+                except Exception as exc:  # noqa: BLE001 - reported in the JSON
+                    row[f"{kind}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out.append(row)
+    return out

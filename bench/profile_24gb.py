@@ -6,13 +6,12 @@ For bf16 weights and then FP8 weights ("all": layers and heads; bf16 matrices fr
 they are quantized): load the full shape (load peak reported; the allocator cache is emptied after
 loading), allocate the KV cache (bf16: 16k tokens; FP8: as many as fit beside the serving overhead
 measured with bf16 and the vocoder reserve), capture the decode graphs (buckets 1..64, max_model_len
-4096), run a 2048-row prefill chunk and a decode step, and report the serving peak and what is left
+4096) and the prefill graphs (64..2048 rows, as the engine does), run a 2048-row prefill chunk and a decode step, and report the serving peak and what is left
 for the vocoder. Prints one JSON line.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,10 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.config import ModelConfig
-from runtime.cuda_graph import DecodeGraphRunner
-from runtime.fast_forward import FastForward, StepInputs
-from runtime.fp8 import quantize_weight
-from runtime.fused import FusedWeights, LayerWeights, fuse_model_weights
+from runtime.cuda_graph import DecodeGraphRunner, PrefillGraphRunner
+from runtime.fast_forward import FastForward
+from runtime.fused import fuse_model_weights, quantize_model_in_place
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model import build_model
 
@@ -34,27 +32,7 @@ BLOCK = 16
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_MODEL_LEN = 4096
 CHUNK = 2048
-
-
-def _quantize_in_place(box: list[FusedWeights]) -> FusedWeights:
-    """FP8 copy of every matrix, dropping each bf16 layer as soon as its FP8 twin exists.
-
-    `box` holds the only reference to the bf16 weights, so they can be freed while quantizing.
-    """
-    weights = box.pop()
-    fields = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
-    del weights
-    for block in ("shared", "text", "audio"):
-        layers: list[LayerWeights] = list(fields.pop(block))
-        for i, layer in enumerate(layers):
-            layers[i] = dataclasses.replace(layer, **{k: quantize_weight(w) for k, w in layer.matrices().items()})
-            del layer
-        fields[block] = tuple(layers)
-        torch.cuda.empty_cache()
-    for head in ("text_head", "audio_head"):
-        fields[head] = quantize_weight(fields.pop(head))
-    torch.cuda.empty_cache()
-    return FusedWeights(**fields)
+MARGIN = GIB // 2  # FP8 serving overhead measured 0.3 GiB above bf16's (FP8 GEMV autotune, scaled_mm pads)
 
 
 def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: int | None) -> dict:
@@ -62,12 +40,9 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     config = ModelConfig.preset("full")
     torch.cuda.reset_peak_memory_stats()
     model = build_model(config, seed=0, device=device, dtype=torch.bfloat16)
-    weights = fuse_model_weights(model)
-    del model  # the fused weights keep every tensor alive; the module tree is not needed
-    if mode == "fp8":
-        box = [weights]
-        del weights
-        weights = _quantize_in_place(box)
+    # as EngineCore does with fast_path (and fp8_scope="all"): bf16 matrices released while quantizing
+    weights = quantize_model_in_place(model, "all") if mode == "fp8" else fuse_model_weights(model)
+    del model  # the fused weights keep every tensor the fast path needs
     torch.cuda.empty_cache()
     load_peak = torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
@@ -75,27 +50,23 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
     if kv_tokens is None:  # as many as fit beside the measured activation/graph overhead and the vocoder
         assert overhead is not None
-        kv_tokens = (budget - weights_bytes - overhead - vocoder) // per_token // BLOCK * BLOCK
+        kv_tokens = (budget - weights_bytes - overhead - MARGIN - vocoder) // per_token // BLOCK * BLOCK
     cache = allocate_kv_cache(config, kv_tokens // BLOCK, BLOCK, device, torch.bfloat16)
     fast = FastForward(weights)
     runner = DecodeGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN, buckets=BUCKETS)
     runner.capture()
-    # one chunked-prefill-sized step (CHUNK rows of one sequence) and one decode step
+    prefill = PrefillGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN)  # buckets 64..2048, as the engine
+    prefill.capture()
+    # one chunked-prefill-sized step (CHUNK rows of one sequence) and one decode step after it
     n = CHUNK
     tokens = torch.randint(0, 151643, (n,), device=device)
-    step = StepInputs(
-        tokens=tokens, is_audio=torch.zeros(n, dtype=torch.bool, device=device),
-        positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),
-        block_tables=torch.arange(n // BLOCK, dtype=torch.int32, device=device)[None, :],
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        query_start=torch.tensor([0, n], dtype=torch.int32, device=device),
-        logits_indices=torch.tensor([n - 1], device=device), max_query_len=n,
-    )
-    text, _ = fast(step, cache)
+    is_audio = torch.zeros(n, dtype=torch.bool, device=device)
+    table = torch.arange(n // BLOCK + 1, dtype=torch.int32, device=device)
+    text, _ = prefill.run(tokens, is_audio, torch.arange(n, device=device), torch.arange(n, device=device),
+                          table[: n // BLOCK], n)
     ok = bool(torch.isfinite(text).all())
-    t, a = runner.run(tokens[:1], step.is_audio[:1], torch.tensor([n], device=device),
-                      torch.tensor([n], device=device), step.block_tables[:, : n // BLOCK + 1],
-                      torch.tensor([n + 1], dtype=torch.int32, device=device))
+    t, a = runner.run(tokens[:1], is_audio[:1], torch.tensor([n], device=device), torch.tensor([n], device=device),
+                      table[None, :], torch.tensor([n + 1], dtype=torch.int32, device=device))
     ok = ok and bool(torch.isfinite(t).all() and torch.isfinite(a).all())
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_reserved()
@@ -107,7 +78,7 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
         "overhead_gib": round((peak - weights_bytes - kv_bytes) / GIB, 3),
         "left_for_vocoder_gib": round((budget - peak) / GIB, 3), "outputs_finite": ok,
     }
-    del runner, fast, cache, weights, text, t, a, step
+    del runner, prefill, fast, cache, weights, text, t, a
     torch.cuda.empty_cache()
     return out
 
