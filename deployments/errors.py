@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from pydantic import ValidationError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.responses import JSONResponse
 
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
@@ -86,12 +87,14 @@ def internal_error(message: str) -> ApiError:
     return ApiError(500, message, kind="internal", type="server_error", code="internal_error")
 
 
-def error_event(exc: BaseException) -> dict[str, Any]:
-    """Map an exception raised by the engine or vocoder to an error event."""
+def error_event(exc: BaseException, *, retry_after_s: float = 1.0) -> dict[str, Any]:
+    """Map an exception raised by the engine, the vocoder or a Serve handle call to an error event."""
     if isinstance(exc, ApiError):
         return exc.to_event()
     if isinstance(exc, EngineOverloadedError):
         return overloaded(str(exc), exc.retry_after_s).to_event()
+    if isinstance(exc, BackPressureError | DeploymentUnavailableError):  # Serve's own queues are full
+        return overloaded(f"server over capacity: {exc}", retry_after_s).to_event()
     if isinstance(exc, ContextLengthExceededError):
         return ApiError(400, str(exc), kind="context_length", code="context_length_exceeded",
                         param="input").to_event()

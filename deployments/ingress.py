@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.args import AppArgs
-from deployments.errors import ApiError, error_event, overloaded, timeout_error
+from deployments.errors import ApiError, error_event, timeout_error
 from deployments.metrics import IngressMetrics
 from deployments.streams import StreamPlan, chat_plan, speech_plan
 from deployments.validation import Limits, chat_request, speech_request
@@ -47,7 +47,7 @@ class Ingress:
         self._created = int(time.time())
 
     async def __call__(self, request: Request) -> Response:
-        path, method = request.url.path.rstrip("/") or "/", request.method
+        path, method = self._route_path(request), request.method
         route = {"/v1/audio/speech": "speech", "/v1/chat/completions": "chat", "/health": "health",
                  "/v1/models": "models", "/admin/stats": "admin"}.get(path, "admin" if path.startswith(
                      "/admin/requests/") else "unknown")
@@ -68,6 +68,14 @@ class Ingress:
             return err.response()
         self._count(route, response.status_code)
         return response
+
+    @staticmethod
+    def _route_path(request: Request) -> str:
+        """The path below the app's route prefix (Serve keeps the prefix in `path`, sets `root_path`)."""
+        path, root = request.url.path, request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        return path.rstrip("/") or "/"
 
     async def _get(self, path: str) -> Response:
         if path == "/health":
@@ -129,11 +137,7 @@ class Ingress:
         except StopAsyncIteration:
             raise
         except Exception as exc:  # noqa: BLE001 - any remote failure becomes an HTTP error
-            from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-            if isinstance(exc, BackPressureError | DeploymentUnavailableError):
-                raise overloaded(f"server over capacity: {exc}", self._args.retry_after_s) from None
-            raise ApiError.from_event(error_event(exc)) from None
+            raise ApiError.from_event(error_event(exc, retry_after_s=self._args.retry_after_s)) from None
 
     async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan) -> Response:
         """Open the utterance stream, peek at its first event, then stream the response body."""

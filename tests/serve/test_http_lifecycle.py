@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
+import pytest
 import serve_harness
+from talking_checkpoint import write_talking_checkpoint
 
 LONG = {"model": "moss-speech", "input": "A long story", "voice": "default",
         "min_new_tokens": 3000, "max_new_tokens": 3000}
@@ -94,3 +97,31 @@ def test_over_capacity_is_503_with_retry_after_and_nothing_leaks(serve_base_url:
         error = response.json()["error"]
         assert error["code"] == "server_overloaded" and "waiting queue is full" in error["message"]
     serve_harness.wait_until(lambda: is_idle(http), what="all admitted requests aborted and freed")
+
+
+@pytest.fixture(scope="module")
+def short_deadline_url(serve_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second app in the same Serve instance whose requests may live 3 s (route prefix /short)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    checkpoint = write_talking_checkpoint(tmp_path_factory.mktemp("short-deadline-checkpoint"))
+    args = {**serve_harness.app_args(str(checkpoint)), "request_timeout_s": 3.0}
+    serve.run(build_app(args), name="moss-short", route_prefix="/short")
+    yield f"{serve_base_url}/short"
+    serve.delete("moss-short")
+
+
+def test_server_side_deadline_ends_a_long_stream_and_frees_it(short_deadline_url: str) -> None:
+    with httpx.Client(base_url=short_deadline_url, timeout=120.0) as client:
+        body = {**LONG, "seed": 8, "stream_format": "sse"}  # ~3000 codes: minutes of CPU work
+        with client.stream("POST", "/v1/audio/speech", json=body) as response:
+            assert response.status_code == 200
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line]
+        # The server ended the stream itself with an error event (no done event, nothing hangs).
+        assert events[-1] == {"type": "error", "error": {
+            "message": "the request timed out on the server", "type": "timeout_error", "param": None,
+            "code": "timeout"}}
+        assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
+        serve_harness.wait_until(lambda: is_idle(client), what="the timed-out request freed")

@@ -10,7 +10,8 @@ import pytest
 import serve_harness
 from serve_harness import metric_value, scrape_metrics
 
-ING = {"deployment": "Ingress"}
+APP = {"application": serve_harness.APP_NAME}  # other tests may run a second app in the same Ray
+ING = {**APP, "deployment": "Ingress"}
 NUM_CODES = 12
 SECONDS_PER_CODE = 1920 / 24000
 
@@ -48,17 +49,19 @@ def sse_speech(http: httpx.Client, seed: int) -> int:
 def test_metrics_count_exactly_the_requests_made(http: httpx.Client) -> None:
     names = {  # sample name -> labels
         "ray_moss_requests_total/models": ("ray_moss_requests_total", {**ING, "route": "models", "status": "200"}),
-        "ray_moss_requests_total/speech200": ("ray_moss_requests_total", {"route": "speech", "status": "200"}),
-        "ray_moss_requests_total/speech400": ("ray_moss_requests_total", {"route": "speech", "status": "400"}),
-        "errors": ("ray_moss_errors_total", {"kind": "invalid_request"}),
-        "ttfa": ("ray_moss_time_to_first_audio_seconds_count", {}),
-        "gap": ("ray_moss_audio_chunk_gap_seconds_count", {}),
-        "rtf": ("ray_moss_realtime_factor_count", {}),
-        "audio_s": ("ray_moss_audio_seconds_total", {}),
-        "batch_count": ("ray_moss_vocoder_batch_size_count", {}),
+        "ray_moss_requests_total/speech200": ("ray_moss_requests_total", {**ING, "route": "speech",
+                                                                          "status": "200"}),
+        "ray_moss_requests_total/speech400": ("ray_moss_requests_total", {**ING, "route": "speech",
+                                                                          "status": "400"}),
+        "errors": ("ray_moss_errors_total", {**ING, "kind": "invalid_request"}),
+        "ttfa": ("ray_moss_time_to_first_audio_seconds_count", APP),
+        "gap": ("ray_moss_audio_chunk_gap_seconds_count", APP),
+        "rtf": ("ray_moss_realtime_factor_count", APP),
+        "audio_s": ("ray_moss_audio_seconds_total", APP),
+        "batch_count": ("ray_moss_vocoder_batch_size_count", APP),
         # Ray 2.60 rebuilds a histogram's _sum from bucket midpoints (see docs/metrics.md), so the
         # exact check is on the buckets: a one-stream step lands in the le="1.0" bucket.
-        "batch_of_one": ("ray_moss_vocoder_batch_size_bucket", {"le": "1.0"}),
+        "batch_of_one": ("ray_moss_vocoder_batch_size_bucket", {**APP, "le": "1.0"}),
     }
 
     def values(text: str) -> dict[str, float]:
@@ -113,10 +116,10 @@ def test_engine_and_vocoder_gauges_match_the_server_state(http: httpx.Client) ->
 
     def matches() -> bool:
         text = scrape_metrics()
-        return all(metric_value(text, k) == pytest.approx(v) for k, v in expected.items())
+        return all(metric_value(text, k, APP) == pytest.approx(v) for k, v in expected.items())
 
     serve_harness.wait_until(matches, timeout_s=60, what=f"gauges to reach {expected}",
-                             last=lambda: {k: metric_value(scrape_metrics(), k) for k in expected})
+                             last=lambda: {k: metric_value(scrape_metrics(), k, APP) for k in expected})
 
 
 def test_record_autoscaling_stats_per_contract(http: httpx.Client) -> None:

@@ -137,3 +137,7 @@ def test_error_response_is_openai_shaped_with_retry_after() -> None:
     event = error_event(ContextLengthExceededError("too long"))
     assert (event["status"], event["code"], event["kind"]) == (400, "context_length_exceeded", "context_length")
     assert error_event(RuntimeError("boom"))["status"] == 500
+    from ray.serve.exceptions import BackPressureError
+
+    event = error_event(BackPressureError(num_queued_requests=9, max_queued_requests=8), retry_after_s=2.0)
+    assert (event["status"], event["code"], event["retry_after_s"]) == (503, "server_overloaded", 2.0)
