@@ -1,18 +1,30 @@
-"""Vocoder-only benchmark: ms per chunk and real-time factor at several stream counts, one JSON line.
+"""Vocoder-only benchmark: first-chunk latency, then ms per chunk and real-time factor at several stream counts.
 
+    python bench/vocoder.py --preset full --device cuda --out bench/results/vocoder-h200.json
     python bench/vocoder.py --preset tiny --device cpu --batches 1,8 --threads 1
-    python bench/vocoder.py --preset full --device cuda            # eager fp32 baseline + bf16/fp16/compile rows
 
-Each row: B sessions in steady state, each step pushes `--chunk-codes` codes to every session and must
-return exactly chunk_codes * 1920 samples per session. rtf = step wall time / audio per stream per step
-(< 1: all B streams keep up with real time); x_realtime = B / rtf. Outputs are checked before timing
-(finite, exact lengths, streamed == decode_whole for one stream). `speedup_vs_eager` compares with the
-eager float32 row of the same batch measured in this run.
+Variants '<mode>-<dtype>': mode eager | graph (CUDA graphs of the per-chunk encoder, flow solve and
+BigVGAN, replayed per fixed chunk shape; see vocoder/graphs.py) | compile (torch.compile of BigVGAN and
+the estimator's transformer blocks, dynamic shapes) | graphcompile (both). The eager float32 row of the
+same run is the baseline (`speedup_vs_eager`).
+
+Rows, in this order (a partial JSON is written after each one with --out):
+- kind "first_chunk", one per variant: one stream, open() then the push of the codes the first chunk
+  needs (low latency: first scheduled chunk + 3 lookahead codes = 5), median over rounds after graphs
+  are captured; `samples` is what that push returned (low: 2 codes minus the held-back overlap).
+- kind "steady", per batch (ascending) and variant: B sessions, each step pushes the steady chunk size
+  to every session and must return exactly chunk * 1920 samples per session. rtf = step wall time /
+  audio per stream per step (< 1: all B streams keep up); x_realtime = B / rtf.
+Outputs are checked before timing (finite, exact lengths; low latency: push-size independence and the
+distance to decode_whole; exact: streamed == decode_whole). Rows predicted to overrun --max-seconds
+are skipped and listed in "skipped".
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -22,15 +34,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import copy
-import dataclasses
-
 import numpy as np
 import torch
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
 from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODES = ("eager", "graph", "compile", "graphcompile")
 
 
 class CheckFailed(RuntimeError):
@@ -49,20 +61,26 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
     flow = dataclasses.replace(cfg.flow, num_steps=args.euler_steps or cfg.flow.num_steps)
     stream = dataclasses.replace(
         cfg.stream,
+        latency=args.latency,
+        chunk_schedule_codes=args.schedule,
+        overlap_samples=args.overlap_samples,
         chunk_codes=args.chunk_codes,
         first_chunk_codes=args.first_chunk_codes,
         vocoder_left_context_frames=args.context_frames,
-        vocoder_right_context_frames=args.context_frames,
+        vocoder_right_context_frames=args.right_context_frames
+        if args.right_context_frames is not None
+        else args.context_frames,
     )
     cfg = dataclasses.replace(cfg, flow=flow, stream=stream)
     return StreamingVocoder.from_preset(args.preset, device=args.device, dtype="float32", seed=0, config=cfg)
 
 
 def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
-    """A vocoder for one variant '<eager|compile>-<dtype>' with the base's weights."""
+    """A vocoder for one variant '<mode>-<dtype>' with the base's weights."""
     mode, dtype = variant.split("-", 1)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    if mode == "eager" and torch_dtype == torch.float32:
+    if mode not in MODES or dtype not in DTYPES:
+        raise ValueError(f"unknown variant {variant!r}: modes {MODES}, dtypes {sorted(DTYPES)}")
+    if variant == "eager-float32":
         return base
     voc = StreamingVocoder(
         base.config,
@@ -70,78 +88,127 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
         copy.deepcopy(base.generator),
         base.voices,
         device=base.device,
-        dtype=torch_dtype,
+        dtype=DTYPES[dtype],
     )
-    if mode == "compile":
+    if mode in ("compile", "graphcompile"):
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
         voc.generator.compile(dynamic=True)
         for module in voc.flow.estimator.modules():
             if type(module).__name__ == "ChunkTransformer":
                 module.compile(dynamic=True)
-    elif mode != "eager":
-        raise ValueError(f"unknown variant {variant!r}")
+    if mode in ("graph", "graphcompile"):
+        voc.use_cuda_graphs()
     return voc
 
 
-def verify(voc: StreamingVocoder, args: argparse.Namespace) -> dict[str, Any]:
-    """Stream one utterance by irregular pushes; check length, finiteness and agreement with decode_whole."""
-    codes = np.random.default_rng(0).integers(0, 16384, 40).tolist()
-    ref = voc.decode_whole("default", codes, seed=5)
-    session = voc.open("default", seed=5)
+def steady_chunk_codes(voc: StreamingVocoder) -> int:
+    """Codes per steady-state chunk (and per push in the steady rows)."""
+    stream = voc.config.stream
+    return stream.chunk_schedule_codes[-1] if voc.is_low_latency else stream.chunk_codes
+
+
+def first_chunk_codes_needed(voc: StreamingVocoder) -> int:
+    """Codes that must be pushed before the first chunk leaves (lookahead + chunk + right context)."""
+    stream = voc.config.stream
+    first = stream.chunk_schedule_codes[0] if voc.is_low_latency else stream.first_chunk_codes
+    return LOOKAHEAD_CODES + -(-(voc.right_context + MEL_FRAMES_PER_CODE * first) // MEL_FRAMES_PER_CODE)
+
+
+def stream_once(voc: StreamingVocoder, codes: list[int], pushes: list[int], seed: int) -> np.ndarray:
+    """PCM of one stream pushed in the given sizes, then finished; checks the exact length."""
+    session = voc.open("default", seed=seed)
     parts, i = [], 0
-    for n in [1, 4, 2, 9, 3, 13, 8]:
+    for n in pushes:
         parts.append(voc.push(session, codes[i : i + n]))
         i += n
     parts.append(voc.finish(session))
     pcm = np.concatenate(parts)
-    if len(pcm) != len(codes) * SAMPLES_PER_CODE or len(ref) != len(pcm):
-        raise CheckFailed(f"length check failed: {len(pcm)} / {len(ref)} != {len(codes) * SAMPLES_PER_CODE}")
-    if not (np.isfinite(pcm).all() and np.isfinite(ref).all()):
+    if len(pcm) != len(codes) * SAMPLES_PER_CODE:
+        raise CheckFailed(f"length check failed: {len(pcm)} != {len(codes) * SAMPLES_PER_CODE}")
+    if not np.isfinite(pcm).all():
         raise CheckFailed("non-finite PCM")
-    return {"max_abs_diff_stream_vs_whole": float(np.abs(pcm - ref).max()), "pcm_std": float(pcm.std())}
+    return pcm
 
 
-def first_chunk(voc: StreamingVocoder, args: argparse.Namespace, repeats: int = 5) -> dict[str, Any]:
+def verify(voc: StreamingVocoder, reference: np.ndarray | None) -> tuple[dict[str, Any], np.ndarray]:
+    """Irregular pushes vs all at once vs decode_whole (and vs the eager float32 stream, if given)."""
+    codes = np.random.default_rng(0).integers(0, 16384, 40).tolist()
+    whole = voc.decode_whole("default", codes, seed=5)
+    irregular = stream_once(voc, codes, [1, 4, 2, 9, 3, 13, 8], seed=5)
+    at_once = stream_once(voc, codes, [40], seed=5)
+    if len(whole) != len(irregular) or not np.isfinite(whole).all():
+        raise CheckFailed("decode_whole length or finiteness check failed")
+    out = {
+        "max_abs_diff_stream_vs_whole": float(np.abs(irregular - whole).max()),
+        "energy_error_stream_vs_whole": float(
+            ((irregular - whole) ** 2).sum() / max((whole**2).sum(), 1e-30)
+        ),
+        "max_abs_diff_push_sizes": float(np.abs(irregular - at_once).max()),
+        "pcm_std": float(irregular.std()),
+    }
+    if reference is not None:
+        out["max_abs_diff_vs_eager_float32"] = float(np.abs(irregular - reference).max())
+    return out, irregular
+
+
+def graph_stats(voc: StreamingVocoder) -> tuple[int, int]:
+    """(graphs captured, eager calls of graphed functions): unchanged over a step = replay only."""
+    stats = voc.graph_stats
+    return stats["num_graphs"], stats["num_eager_calls"]
+
+
+def first_chunk(voc: StreamingVocoder, args: argparse.Namespace) -> dict[str, Any]:
     """One stream: time open() and the push that makes the first chunk (all codes it needs at once)."""
-    need = LOOKAHEAD_CODES + -(
-        -(voc.right_context + MEL_FRAMES_PER_CODE * args.first_chunk_codes) // MEL_FRAMES_PER_CODE
-    )
+    need = first_chunk_codes_needed(voc)
     codes = np.random.default_rng(1).integers(0, 16384, need).tolist()
-    opens, pushes, samples = [], [], 0
-    for r in range(repeats + 1):
+    opens, pushes, samples, rounds = [], [], set(), 0
+    while len(pushes) < args.first_chunk_rounds and rounds < args.first_chunk_rounds + 8:
+        before = graph_stats(voc)
         sync(args.device)
         t0 = time.perf_counter()
-        session = voc.open("default", seed=r)
+        session = voc.open("default", seed=rounds)
         sync(args.device)
         t1 = time.perf_counter()
         pcm = voc.push(session, codes)
         sync(args.device)
         t2 = time.perf_counter()
         voc.close(session)
-        samples = len(pcm)
-        if r:  # first round warms up
+        if not np.isfinite(pcm).all():
+            raise CheckFailed("non-finite PCM in the first chunk")
+        samples.add(len(pcm))
+        # The first round warms up; with graphs, rounds that captured or ran eagerly are not timed.
+        if rounds and graph_stats(voc) == before:
             opens.append(1e3 * (t1 - t0))
             pushes.append(1e3 * (t2 - t1))
-    if samples < args.first_chunk_codes * SAMPLES_PER_CODE:
-        raise CheckFailed(f"first chunk too short: {samples} samples")
+        rounds += 1
+    if not pushes:
+        raise CheckFailed("no first-chunk round ran without capturing or eager fallbacks")
+    (num_samples,) = samples
+    if num_samples == 0:
+        raise CheckFailed(f"no first chunk after {need} codes")
     return {
+        "kind": "first_chunk",
+        "batch": 1,
         "codes_needed": need,
-        "samples": samples,
+        "samples": num_samples,
+        "audio_ms": round(1e3 * num_samples / SAMPLE_RATE, 1),
         "open_ms": round(statistics.median(opens), 3),
         "push_ms": round(statistics.median(pushes), 3),
+        "timed_rounds": len(pushes),
     }
 
 
-def steady_rows(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> dict[str, Any]:
+def steady_row(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> dict[str, Any]:
     """B sessions in steady state; median wall time of one step (one chunk for every session)."""
-    chunk = args.chunk_codes
+    chunk = steady_chunk_codes(voc)
     rng = np.random.default_rng(batch)
     sessions = voc.open_many([("default", s) for s in range(batch)])
     want = chunk * SAMPLES_PER_CODE
     step_ms: list[float] = []
-    emitted_any = False
-    for step in range(args.warmup_steps + args.steps + 64):
+    num_steady = 0
+    for step in range(args.warmup_steps + args.steps + 12):
         work = [(s, rng.integers(0, 16384, chunk).tolist()) for s in sessions]
+        before = graph_stats(voc)
         sync(args.device)
         t0 = time.perf_counter()
         pcms = voc.step(work)
@@ -149,122 +216,161 @@ def steady_rows(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> 
         dt = time.perf_counter() - t0
         lengths = {len(p) for p in pcms}
         if lengths == {want}:
-            if not emitted_any:
-                emitted_any, first_steady = True, step
-            if step >= first_steady + args.warmup_steps:
-                if not all(np.isfinite(p).all() for p in pcms):
-                    raise CheckFailed("non-finite PCM in steady state")
+            num_steady += 1
+            if not all(np.isfinite(p).all() for p in pcms):
+                raise CheckFailed("non-finite PCM in steady state")
+            if num_steady > args.warmup_steps and graph_stats(voc) == before:
                 step_ms.append(1e3 * dt)
                 if len(step_ms) == args.steps:
                     break
-        elif emitted_any:
+        elif num_steady:
             raise CheckFailed(f"steady state broke at step {step}: chunk lengths {sorted(lengths)}")
     tails = voc.finish_many(sessions)
     total_codes = (step + 1) * chunk
     for s, tail in zip(sessions, tails):
         if s.num_samples_emitted != total_codes * SAMPLES_PER_CODE or not np.isfinite(tail).all():
             raise CheckFailed(f"session emitted {s.num_samples_emitted} samples for {total_codes} codes")
+    if not step_ms:
+        raise CheckFailed("no steady step ran without capturing or eager fallbacks")
     ms = statistics.median(step_ms)
-    chunk_s = want / SAMPLE_RATE
-    rtf = ms / 1e3 / chunk_s
+    rtf = ms / 1e3 / (want / SAMPLE_RATE)
     return {
+        "kind": "steady",
         "batch": batch,
+        "chunk_codes": chunk,
         "ms_per_chunk": round(ms, 3),
         "rtf": round(rtf, 5),
         "x_realtime": round(batch / rtf, 2),
+        "timed_steps": len(step_ms),
     }
 
 
-def main() -> None:
-    """Parse flags, verify, time, print one JSON line."""
+def parse_args() -> argparse.Namespace:
+    """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=["tiny", "full"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--batches", default="1,8,32,64,256")
-    p.add_argument(
-        "--variants", default=None, help="comma list of <eager|compile>-<float32|bfloat16|float16>"
-    )
+    p.add_argument("--variants", default=None, help=f"comma list of <{'|'.join(MODES)}>-<dtype>")
     p.add_argument("--dtype", default=None, help="shorthand: eager-float32 baseline plus eager-<dtype>")
-    p.add_argument("--euler-steps", type=int, default=None, help="default: the preset's")
-    p.add_argument("--chunk-codes", type=int, default=8)
-    p.add_argument("--first-chunk-codes", type=int, default=2)
+    p.add_argument("--latency", default="low", choices=["low", "exact"])
     p.add_argument(
-        "--context-frames", type=int, default=None, help="BigVGAN context each side (default: exact field)"
+        "--schedule", default="2,3,5,10,25", help="low latency: chunk sizes in codes, last repeats"
     )
-    p.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    p.add_argument("--overlap-samples", type=int, default=1920, help="low latency: crossfaded samples")
+    p.add_argument("--euler-steps", type=int, default=None, help="default: the preset's")
+    p.add_argument("--chunk-codes", type=int, default=8, help="exact mode: steady chunk")
+    p.add_argument("--first-chunk-codes", type=int, default=2, help="exact mode: first chunk")
+    p.add_argument("--context-frames", type=int, default=None, help="BigVGAN context each side")
+    p.add_argument("--right-context-frames", type=int, default=None, help="overrides the right side")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per steady row")
     p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--first-chunk-rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--max-seconds", type=float, default=420.0, help="skip remaining rows after this")
+    p.add_argument("--max-seconds", type=float, default=330.0, help="skip rows predicted to end later")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here after every row")
     args = p.parse_args()
+    args.schedule = tuple(int(c) for c in args.schedule.split(","))
+    return args
+
+
+def main() -> None:
+    """Verify, time, print one JSON line."""
+    args = parse_args()
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
     default_variants = (
-        "eager-float32,eager-bfloat16,eager-float16,compile-bfloat16" if on_cuda else "eager-float32"
+        "eager-float32,graph-float32,graph-bfloat16,eager-bfloat16" if on_cuda else "eager-float32"
     )
     if args.variants is None and args.dtype is not None:
         args.variants = ",".join(dict.fromkeys(["eager-float32", f"eager-{args.dtype}"]))
-    variants = (args.variants or default_variants).split(",")
-    batches = [int(b) for b in args.batches.split(",")]
+    variants = list(dict.fromkeys(["eager-float32", *(args.variants or default_variants).split(",")]))
+    batches = sorted(int(b) for b in args.batches.split(","))
     out: dict[str, Any] = {
-        "command": sys.argv,
+        "command": " ".join(["python", *sys.argv]),
         "preset": args.preset,
         "device": torch.cuda.get_device_name() if on_cuda else f"cpu x{torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
-        "chunk_codes": args.chunk_codes,
-        "first_chunk_codes": args.first_chunk_codes,
+        "latency": args.latency,
         "rows": [],
-        "first_chunk": {},
         "verify": {},
+        "graph_stats": {},
         "skipped": [],
         "failed": {},
     }
-    eager_ms: dict[int, float] = {}
+
+    def save() -> None:
+        out["wall_s"] = round(time.perf_counter() - t_start, 1)
+        if args.out:
+            args.out.write_text(json.dumps(out) + "\n")  # partial results survive a kill
+
     base = build_base(args)
     out["euler_steps"] = base.config.flow.num_steps
+    out["stream_config"] = dataclasses.asdict(base.config.stream)
     out["bigvgan_context_frames"] = [base.left_context, base.right_context]
     out["bigvgan_exact_field_frames"] = list(receptive_field_frames(base.generator))
     out["bigvgan_effective_field_frames_1e-6"] = list(
         effective_context_frames(base.generator, tolerance=1e-6)
     )
-    out["first_audio_after_codes"] = LOOKAHEAD_CODES + -(
-        -(base.right_context + MEL_FRAMES_PER_CODE * args.first_chunk_codes) // MEL_FRAMES_PER_CODE
-    )
+    out["first_audio_after_codes"] = first_chunk_codes_needed(base)
+    out["steady_chunk_codes"] = steady_chunk_codes(base)
+
+    vocoders: dict[str, StreamingVocoder] = {}
+    baseline: dict[tuple[str, int], float] = {}
+    reference: np.ndarray | None = None
+
+    def record(variant: str, row: dict[str, Any]) -> None:
+        key = "push_ms" if row["kind"] == "first_chunk" else "ms_per_chunk"
+        if variant == "eager-float32":
+            baseline[(row["kind"], row["batch"])] = row[key]
+        elif (row["kind"], row["batch"]) in baseline:
+            row["speedup_vs_eager"] = round(baseline[(row["kind"], row["batch"])] / row[key], 3)
+        out["rows"].append({"variant": variant, **row})
+        out["graph_stats"][variant] = vocoders[variant].graph_stats
+        save()
+
+    def fail(variant: str, exc: Exception) -> None:
+        if variant == "eager-float32" and not isinstance(exc, CheckFailed):
+            raise exc
+        out["failed"][variant] = f"{type(exc).__name__}: {exc}"[:800]
+        vocoders.pop(variant, None)
+        save()
+
+    # Phase 1: per variant, build + verify + the first-chunk row (the latency figure comes first).
     for variant in variants:
         if time.perf_counter() - t_start > args.max_seconds:
             out["skipped"].append(variant)
             continue
-        voc = build(base, variant)
         try:
-            out["verify"][variant] = verify(voc, args)
-            out["first_chunk"][variant] = first_chunk(voc, args)
-            for batch in batches:
-                if time.perf_counter() - t_start > args.max_seconds:
-                    out["skipped"].append(f"{variant}@{batch}")
-                    continue
-                row = {"variant": variant, **steady_rows(voc, args, batch)}
-                if variant == "eager-float32":
-                    eager_ms[batch] = row["ms_per_chunk"]
-                elif batch in eager_ms:
-                    row["speedup_vs_eager"] = round(eager_ms[batch] / row["ms_per_chunk"], 3)
-                out["rows"].append(row)
-                if args.out:
-                    args.out.write_text(json.dumps(out) + "\n")  # partial results survive a kill
-        except CheckFailed as exc:
-            out["failed"][variant] = str(exc)
-        except Exception as exc:  # e.g. a compile failure: report it, keep the other variants' rows
+            vocoders[variant] = build(base, variant)
+            out["verify"][variant], pcm = verify(vocoders[variant], reference)
             if variant == "eager-float32":
-                raise
-            out["failed"][variant] = f"{type(exc).__name__}: {exc}"[:800]
-        del voc
-        if on_cuda:
-            torch.cuda.empty_cache()
-    out["wall_s"] = round(time.perf_counter() - t_start, 1)
-    if args.out:
-        args.out.write_text(json.dumps(out) + "\n")
+                reference = pcm
+            record(variant, first_chunk(vocoders[variant], args))
+        except Exception as exc:  # noqa: BLE001 - a compile or capture failure is reported, other variants go on
+            fail(variant, exc)
+    # Phase 2: steady rows, batch by batch, skipping rows predicted to overrun the budget.
+    last_row_s: dict[str, tuple[int, float]] = {}
+    for batch in batches:
+        for variant in [v for v in variants if v in vocoders]:
+            elapsed = time.perf_counter() - t_start
+            prev = last_row_s.get(variant)
+            predicted = 0.0 if prev is None else prev[1] * batch / prev[0]
+            if elapsed + predicted > args.max_seconds:
+                out["skipped"].append(f"{variant}@{batch}")
+                continue
+            t0 = time.perf_counter()
+            try:
+                record(variant, steady_row(vocoders[variant], args, batch))
+            except Exception as exc:  # noqa: BLE001 - reported in "failed"
+                fail(variant, exc)
+            last_row_s[variant] = (batch, time.perf_counter() - t0)
+            if on_cuda:
+                torch.cuda.empty_cache()
+    save()
     print(json.dumps(out))
 
 
