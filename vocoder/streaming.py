@@ -383,15 +383,15 @@ class StreamingVocoder:
         # A window whose left edge lies a whole field before its first returned sample cannot feel that
         # edge, so such rows share one right-aligned (left-padded) batch; the right edge, which low-latency
         # chunks do feel, is then each row's own. Other rows run in groups of equal length (no padding).
-        free = [
-            r
-            for r, (_, out0, _, start, _) in enumerate(rows)
-            if self.left_context >= self.exact_left_context
-            and start == out0 // HOP_LENGTH - self.left_context
-        ]
+        free: list[int] = []
         groups: dict[int, list[int]] = {}
-        for r, (_, _, _, start, stop) in enumerate(rows):
-            if r not in free:
+        for r, (_, out0, _, start, stop) in enumerate(rows):
+            if (
+                self.left_context >= self.exact_left_context
+                and start == out0 // HOP_LENGTH - self.left_context
+            ):
+                free.append(r)
+            else:
                 groups.setdefault(stop - start, []).append(r)
         batches = ([free] if free else []) + list(groups.values())
         pcm: list[np.ndarray] = [_EMPTY] * len(rows)
