@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.args import AppArgs
-from deployments.errors import ApiError, error_event, timeout_error
+from deployments.errors import ApiError, error_event, internal_error, timeout_error
 from deployments.metrics import IngressMetrics
 from deployments.streams import StreamPlan, chat_plan, speech_plan
 from deployments.validation import Limits, chat_request, speech_request
@@ -28,6 +28,10 @@ from deployments.validation import Limits, chat_request, speech_request
 logger = logging.getLogger("ray.serve")
 
 MAX_BODY_BYTES = 1 << 20
+# path -> (route tag of moss_requests, allowed method)
+ROUTES = {"/v1/audio/speech": ("speech", "POST"), "/v1/chat/completions": ("chat", "POST"),
+          "/health": ("health", "GET"), "/v1/models": ("models", "GET"), "/admin/stats": ("admin", "GET")}
+REQUESTS_PREFIX = "/admin/requests/"
 MAX_REMEMBERED_REQUESTS = 1024
 
 
@@ -48,13 +52,11 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         path, method = self._route_path(request), request.method
-        route = {"/v1/audio/speech": "speech", "/v1/chat/completions": "chat", "/health": "health",
-                 "/v1/models": "models", "/admin/stats": "admin"}.get(path, "admin" if path.startswith(
-                     "/admin/requests/") else "unknown")
+        route, expected = ROUTES.get(path, ("admin", "GET") if path.startswith(REQUESTS_PREFIX) else
+                                     ("unknown", method))
         try:
             if route == "unknown":
                 raise ApiError(404, f"no route {method} {path}", kind="not_found", code="not_found")
-            expected = "POST" if route in ("speech", "chat") else "GET"
             if method != expected:
                 raise ApiError(405, f"{method} is not allowed on {path}; use {expected}",
                                kind="invalid_request", code="method_not_allowed")
@@ -64,6 +66,11 @@ class Ingress:
                 return await self._chat(request)
             response = await self._get(path)
         except ApiError as err:
+            self._count(route, err.status, err.kind)
+            return err.response()
+        except Exception as exc:  # never a bare 500 page: an OpenAI-style error, logged
+            logger.exception("request %s %s failed", method, path)
+            err = internal_error(f"{type(exc).__name__}: {exc}")
             self._count(route, err.status, err.kind)
             return err.response()
         self._count(route, response.status_code)
@@ -88,7 +95,7 @@ class Ingress:
             llm, vocoder = await asyncio.gather(self._llm.stats.remote(), self._vocoder.stats.remote())
             return JSONResponse({"llm": llm, "vocoder": vocoder,
                                  "ingress": {"active_requests": self._num_active}})
-        request_id = path.removeprefix("/admin/requests/")
+        request_id = path.removeprefix(REQUESTS_PREFIX)
         if request_id not in self._recent:
             raise ApiError(404, f"no recent request {request_id!r} on this replica", kind="not_found",
                            code="not_found")
