@@ -176,3 +176,31 @@ def test_graph_replay_path_matches_eager(codes: list[int], by_one: list[np.ndarr
     stats = voc.graph_stats
     assert stats["num_graphs"] > 0 and stats["num_replays"] > 0
     assert stats["num_graphs"] <= 3 * 8
+
+
+def test_graphed_function_captures_on_second_use_and_caps_graphs() -> None:
+    import torch
+
+    from vocoder.graphs import GraphedFunction
+
+    calls: list[tuple[int, ...]] = []
+
+    def double(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        calls.append(tuple(x.shape))
+        return 2 * x, [x + 1]
+
+    fn = GraphedFunction(double, max_graphs=1)
+    a, b = torch.arange(3.0), torch.arange(4.0)
+    first = fn(a)  # seen once: eager
+    assert (fn.num_graphs, fn.num_eager_calls, fn.num_replays) == (0, 1, 0)
+    second = fn(a + 1)  # captured, then replayed with these inputs
+    assert fn.num_graphs == 1 and fn.num_replays == 1
+    assert torch.equal(first[0], 2 * a) and torch.equal(second[0], 2 * (a + 1))
+    assert torch.equal(second[1][0], a + 2)
+    second[0].zero_()  # outputs are clones: the static buffers are not exposed
+    assert torch.equal(fn(a)[0], 2 * a)
+    fn(b)
+    fn(b)  # a second signature is over max_graphs: stays eager
+    assert (fn.num_graphs, fn.num_eager_calls) == (1, 3)
+    fn.reset()
+    assert fn.num_graphs == 0
