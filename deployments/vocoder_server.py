@@ -78,10 +78,14 @@ class VocoderServer:
         self._set_active(+1)
         stream: BatchedStream | None = None
         reader: asyncio.Task | None = None
-        is_done = False
+        is_done = False  # True only when the utterance completed normally
         try:
             if request["with_audio"]:
-                stream = await self._batcher.open(request["voice"], request.get("seed") or 0)
+                try:
+                    stream = await self._batcher.open(request["voice"], request.get("seed") or 0)
+                except Exception as exc:  # noqa: BLE001 - e.g. a voice file gone: an error event
+                    yield error_event(exc)
+                    return
             out: asyncio.Queue = stream.out if stream is not None else asyncio.Queue()
             finished: dict[str, Any] = {}
             reader = asyncio.get_running_loop().create_task(
@@ -95,7 +99,6 @@ class VocoderServer:
                 if isinstance(item, dict):  # text or error from the reader
                     yield item
                     if item["type"] == "error":
-                        is_done = True
                         return
                     continue
                 num_samples += len(item)
@@ -108,7 +111,7 @@ class VocoderServer:
             if reader is not None and not reader.done():
                 reader.cancel()
             if not is_done:
-                llm_stream.cancel()
+                llm_stream.cancel()  # no-op when the LLM stream already ended
             if stream is not None and not stream.is_closed:
                 self._batcher.close(stream)
 
