@@ -35,6 +35,12 @@ def test_speech_request_dict_carries_prompt_sampling_and_limits() -> None:
     assert (payload["max_new_tokens"], payload["min_new_tokens"], payload["seed"]) == (40, 10, 3)
 
 
+def test_speech_instructions_extend_the_system_prompt() -> None:
+    _, payload = speech_request(speech(instructions="Whisper."), LIMITS)
+    assert payload["messages"][0] == ("system", f"{READ_ALOUD_PROMPT} Whisper.")
+    assert error_of(speech_request, speech(instructions="w" * 21)).param == "instructions"
+
+
 def test_speech_defaults() -> None:
     req, payload = speech_request(speech(voice=...), LIMITS)
     assert (req.voice, req.response_format, req.stream_format) == ("default", "wav", "audio")
