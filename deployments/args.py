@@ -49,6 +49,8 @@ class AppArgs(BaseModel):
     vocoder_device: str = "cpu"
     vocoder_dtype: str | None = None
     vocoder_seed: int = 0
+    # Replay CUDA graphs of the vocoder's per-chunk stages (StreamingVocoder.use_cuda_graphs); cuda only.
+    vocoder_cuda_graphs: bool = False
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
 

@@ -32,7 +32,10 @@ class VocoderServer:
         from vocoder.config import SAMPLE_RATE
 
         kwargs = dict(vocoder_kwargs)
+        cuda_graphs = bool(kwargs.pop("cuda_graphs", False))
         self._vocoder = StreamingVocoder.from_preset(kwargs.pop("preset"), **kwargs)
+        if cuda_graphs:
+            self._vocoder.use_cuda_graphs()
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)

@@ -67,4 +67,5 @@ def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_setti
         check_gpus(app_args, gpus_available=0.0)
     engine, vocoder = settings_from_config(str(path))
     assert engine == app_args.engine and engine["model"] == "full" and engine["device"] == "cuda"
-    assert vocoder == {"preset": "full", "device": "cuda", "dtype": "float16", "seed": 0, "max_batch_size": 128}
+    assert vocoder == {"preset": "full", "device": "cuda", "dtype": "bfloat16", "seed": 0, "max_batch_size": 128,
+                       "cuda_graphs": True}
