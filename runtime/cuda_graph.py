@@ -84,7 +84,7 @@ class DecodeGraphRunner:
                     self.forward(step, self.kv_cache)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[bucket] = self.forward(step, self.kv_cache)
             pool = graph.pool()
             self.graphs[bucket] = graph
@@ -213,7 +213,7 @@ class PrefillGraphRunner:
                     self.forward(step, self.kv_cache)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[bucket] = self.forward(step, self.kv_cache)
             pool = graph.pool()
             self.graphs[bucket] = graph

@@ -100,7 +100,8 @@ class GraphedFunction:
                 self.fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the engine may run CUDA work on its own thread in the same process meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             result = self.fn(*inputs)
         outputs, spec = pytree.tree_flatten(result)
         assert all(isinstance(o, torch.Tensor) for o in outputs), "graphed functions return tensors only"
