@@ -7,11 +7,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from streaming_helpers import NUM_CODES, SEED, stream
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 
-NUM_CODES = 30
-SEED = 7
 OVERLAP = 1920  # default overlap_samples: held back at each chunk end and crossfaded
 # Chunk ends (codes) of the default schedule (2, 3, 5, 10, 25) within 30 codes; the rest goes at finish.
 CHUNK_ENDS = [2, 5, 10, 20]
@@ -30,28 +29,6 @@ def vocoder() -> StreamingVocoder:
     return voc
 
 
-@pytest.fixture(scope="module")
-def codes() -> list[int]:
-    return np.random.default_rng(0).integers(0, 16384, NUM_CODES).tolist()
-
-
-@pytest.fixture(scope="module")
-def reference(vocoder: StreamingVocoder, codes: list[int]) -> np.ndarray:
-    return vocoder.decode_whole("default", codes, seed=SEED)
-
-
-def stream(
-    voc: StreamingVocoder, codes: list[int], schedule: list[int], seed: int = SEED
-) -> list[np.ndarray]:
-    session = voc.open("default", seed=seed)
-    chunks, i = [], 0
-    for n in schedule:
-        chunks.append(voc.push(session, codes[i : i + n]))
-        i += n
-    assert i == len(codes)
-    chunks.append(voc.finish(session))
-    assert session.num_samples_emitted == len(codes) * SAMPLES_PER_CODE
-    return chunks
 
 
 @pytest.fixture(scope="module")

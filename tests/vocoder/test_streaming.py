@@ -6,13 +6,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+from streaming_helpers import NUM_CODES, SEED, stream
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 
 # Streamed PCM equals decode_whole up to float32 rounding (different conv lengths / batch shapes).
 TOLERANCE = 1e-5
-NUM_CODES = 30
-SEED = 7
 
 
 def exact_config() -> VocoderConfig:
@@ -26,27 +25,6 @@ def vocoder() -> StreamingVocoder:
     return StreamingVocoder.from_preset("tiny", config=exact_config())
 
 
-@pytest.fixture(scope="module")
-def codes() -> list[int]:
-    return np.random.default_rng(0).integers(0, 16384, NUM_CODES).tolist()
-
-
-@pytest.fixture(scope="module")
-def reference(vocoder: StreamingVocoder, codes: list[int]) -> np.ndarray:
-    return vocoder.decode_whole("default", codes, seed=SEED)
-
-
-def stream(
-    vocoder: StreamingVocoder, codes: list[int], schedule: list[int], seed: int = SEED
-) -> list[np.ndarray]:
-    session = vocoder.open("default", seed=seed)
-    chunks, i = [], 0
-    for n in schedule:
-        chunks.append(vocoder.push(session, codes[i : i + n]))
-        i += n
-    assert i == len(codes)
-    chunks.append(vocoder.finish(session))
-    return chunks
 
 
 def test_reference_is_audio(reference: np.ndarray) -> None:
