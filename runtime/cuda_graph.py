@@ -21,6 +21,25 @@ from runtime.kv_cache import KVCache
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
+def capture_step(
+    forward: FastForward, step: StepInputs, kv_cache: KVCache, pool: tuple[int, int] | None,
+) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+    """Warm `forward(step)` up on a side stream, then capture it into a graph sharing `pool`
+    -> (graph, its static (text, audio) logits)."""
+    device = kv_cache.k.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile / autotune kernels and create library handles outside capture
+            forward(step, kv_cache)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread of this process (a vocoder, say) may use CUDA meanwhile.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = forward(step, kv_cache)
+    return graph, outputs
+
+
 class DecodeGraphRunner:
     """Runs decode steps through per-bucket CUDA graphs (or eagerly with the same padding)."""
 
@@ -76,16 +95,7 @@ class DecodeGraphRunner:
         self._reset_padding(0)
         pool = None
         for bucket in reversed(self.buckets):
-            step = self._step(bucket)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile / autotune kernels and create library handles outside capture
-                    self.forward(step, self.kv_cache)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs[bucket] = self.forward(step, self.kv_cache)
+            graph, self.outputs[bucket] = capture_step(self.forward, self._step(bucket), self.kv_cache, pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
@@ -205,16 +215,7 @@ class PrefillGraphRunner:
         for bucket in reversed(self.buckets):
             self.slot_mapping.fill_(-1)
             self._fill(bucket, bucket, bucket)
-            step = self._step(bucket)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.forward(step, self.kv_cache)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs[bucket] = self.forward(step, self.kv_cache)
+            graph, self.outputs[bucket] = capture_step(self.forward, self._step(bucket), self.kv_cache, pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)

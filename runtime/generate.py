@@ -36,13 +36,16 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--output-modality", default="audio", choices=["audio", "text"])
+    parser.add_argument("--fast-path", action="store_true",
+                        help="fused weights, Triton kernels and decode CUDA graphs on cuda (docs/gpu.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the engine, generate, and return the result fields."""
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_running=1)
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_running=1,
+                          fast_path=args.fast_path)
     core = EngineCore.from_config(config)  # one request: the synchronous core, no event loop needed
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     rows = build_prompt_rows(core.tokenizer, [ChatMessage("user", args.text)], output_modality=args.output_modality)
