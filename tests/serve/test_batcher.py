@@ -1,6 +1,6 @@
 """`VocoderBatcher` with a recording test double: batching, ordering, flush, finish and abort.
 
-(The real tiny vocoder runs through the batcher in test_batcher_real.py and the HTTP tests.)
+(The real tiny vocoder runs through the batcher in the HTTP tests and tests/bench/test_pipeline.py.)
 """
 from __future__ import annotations
 

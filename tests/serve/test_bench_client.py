@@ -24,6 +24,9 @@ from bench.client import (
 )
 from bench.measure import PlaybackClock, speech_prompt_text, summarize
 from deployments.framing import wav_header
+from deployments.validation import READ_ALOUD_PROMPT
+from runtime.prompts import ChatMessage, build_prompt_rows
+from runtime.tokenizer import Tokenizer
 
 APP = {"application": serve_harness.APP_NAME}
 CODES = 10  # max_new_tokens == min_new_tokens: every request yields exactly this many codes
@@ -73,7 +76,11 @@ def test_check_url_refuses_non_loopback_hosts_unless_allowed() -> None:
 def test_prompt_text_has_the_asked_length_and_variants_differ_from_their_first_character() -> None:
     texts = [speech_prompt_text(512, variant=v) for v in (0, 1, 2)]
     assert prompt_text(512) == speech_prompt_text(512) and len(set(texts)) == 3
-    assert [len(t) for t in texts] == [len(prompt_text(512))] * 3 == [360] * 3  # byte-level: one token each
+    # The rows the LLM replica builds for these texts (deployments.validation's messages), counted independently.
+    tokenizer = Tokenizer.tiny()
+    rows = [build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", t)],
+                              output_modality="audio") for t in texts]
+    assert [len(r) for r in rows] == [512] * 3
     assert texts[1].startswith("1000000 The quick brown fox")  # fastest-changing digit first
 
 
