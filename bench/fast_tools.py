@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.engine import time_fn
 from runtime.attention import AttentionMetadata
 from runtime.config import MODALITY_PAD_ID, Row
 from runtime.cuda_graph import DecodeGraphRunner
@@ -28,20 +28,10 @@ def log(msg: str) -> None:
 
 def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> dict:
     """Median / p10 / p90 of `reps` CUDA-event-timed calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b))
-    samples.sort()
-    return {"median_ms": round(statistics.median(samples), 4), "p10_ms": round(samples[len(samples) // 10], 4),
-            "p90_ms": round(samples[min(len(samples) - 1, math.ceil(0.9 * len(samples)) - 1)], 4)}
+    timing = time_fn(fn, torch.device("cuda", torch.cuda.current_device()), warmup, reps)
+    samples = sorted(timing.samples_ms)
+    return {"median_ms": round(timing.median_ms, 4), "p10_ms": round(samples[len(samples) // 10], 4),
+            "p90_ms": round(timing.p90_ms, 4)}
 
 
 def copy_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:
