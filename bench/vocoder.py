@@ -5,8 +5,10 @@
 
 Variants '<mode>-<dtype>': mode eager | graph (CUDA graphs of the per-chunk encoder, flow solve and
 BigVGAN, replayed per fixed chunk shape; see vocoder/graphs.py) | compile (torch.compile of BigVGAN and
-the estimator's transformer blocks, dynamic shapes) | graphcompile (both). The eager float32 row of the
-same run is the baseline (`speedup_vs_eager`).
+the estimator's transformer blocks, dynamic shapes) | graphcompile (both) | fused (the Triton kernels of
+vocoder/kernels/: BigVGAN's anti-aliased activation in one kernel, chunk attention in the estimator) |
+graphfused (fused + graphs). Every other mode runs the `bigvgan` package's modules and SDPA. The eager
+float32 row of the same run is the baseline (`speedup_vs_eager`).
 
 Rows, in this order (a partial JSON is written after each one with --out):
 - kind "first_chunk", one per variant: one stream, open() then the push of the codes the first chunk
@@ -42,7 +44,7 @@ from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
 from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODES = ("eager", "graph", "compile", "graphcompile")
+MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused")
 
 
 class CheckFailed(RuntimeError):
@@ -72,7 +74,9 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
         else args.context_frames,
     )
     cfg = dataclasses.replace(cfg, flow=flow, stream=stream)
-    return StreamingVocoder.from_preset(args.preset, device=args.device, dtype="float32", seed=0, config=cfg)
+    return StreamingVocoder.from_preset(
+        args.preset, device=args.device, dtype="float32", seed=0, config=cfg, triton_kernels=False
+    )
 
 
 def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
@@ -89,6 +93,7 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
         base.voices,
         device=base.device,
         dtype=DTYPES[dtype],
+        triton_kernels=mode in ("fused", "graphfused"),
     )
     if mode in ("compile", "graphcompile"):
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
@@ -96,7 +101,7 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
         for module in voc.flow.estimator.modules():
             if type(module).__name__ == "ChunkTransformer":
                 module.compile(dynamic=True)
-    if mode in ("graph", "graphcompile"):
+    if mode in ("graph", "graphcompile", "graphfused"):
         voc.use_cuda_graphs()
     return voc
 
@@ -282,7 +287,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
     default_variants = (
-        "eager-float32,graph-float32,graph-bfloat16,eager-bfloat16" if on_cuda else "eager-float32"
+        "eager-float32,graph-bfloat16,graphfused-bfloat16,graphfused-float16" if on_cuda else "eager-float32"
     )
     if args.variants is None and args.dtype is not None:
         args.variants = ",".join(dict.fromkeys(["eager-float32", f"eager-{args.dtype}"]))

@@ -61,20 +61,22 @@ class FlowEstimator(nn.Module):
         """x, mu, cond [B, 80, T]; spk [B, 80]; t [B] -> velocity [B, 80, T]."""
         h = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)  # [B, 320, T]
         t_emb = self.time_embed(t)  # [B, tdim]
-        h = self.down_res(h, t_emb, cache)
-        for tf in self.down_tf:
-            h = tf(h)
+        h = _transformers(self.down_tf, self.down_res(h, t_emb, cache))
         skip = h
         h = self.down_conv(h, cache)
         for res, tfs in zip(self.mid_res, self.mid_tf):
-            h = res(h, t_emb, cache)
-            for tf in tfs:
-                h = tf(h)
-        h = self.up_res(torch.cat([h, skip], dim=1), t_emb, cache)
-        for tf in self.up_tf:
-            h = tf(h)
+            h = _transformers(tfs, res(h, t_emb, cache))
+        h = _transformers(self.up_tf, self.up_res(torch.cat([h, skip], dim=1), t_emb, cache))
         h = self.up_conv(h, cache)
         return self.final_proj(self.final_block(h, cache))
+
+
+def _transformers(blocks: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+    """[B, C, T] -> [B, C, T] through transformer blocks that work on [B, T, C] (one layout change each way)."""
+    x = h.transpose(1, 2)
+    for block in blocks:
+        x = block(x)
+    return x.transpose(1, 2)
 
 
 class FlowDecoder(nn.Module):

@@ -99,19 +99,27 @@ class ChunkTransformer(nn.Module):
         self.out = nn.Linear(num_heads * head_dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.ff = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
+        self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/chunk_attention.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C, T] -> [B, C, T]; T must be a multiple of the chunk."""
-        b, c, t = x.shape
+        """[B, T, C] -> [B, T, C] (frames as rows, so stacked blocks need no layout change between them);
+        T must be a multiple of the chunk."""
+        b, t, c = x.shape
         assert t % self.chunk == 0, (t, self.chunk)
-        h = x.transpose(1, 2).reshape(b * t // self.chunk, self.chunk, c)  # [B*N, chunk, C]
-        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
-        shape = (h.shape[0], self.chunk, self.num_heads, self.head_dim)
-        q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))  # [B*N, H, chunk, D]
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(h.shape[0], self.chunk, -1)
+        h = x.reshape(b * t // self.chunk, self.chunk, c)  # [B*N, chunk, C]
+        qkv = self.qkv(self.norm1(h))  # [B*N, chunk, 3*H*D]
+        if self.use_triton and h.is_cuda:
+            from vocoder.kernels.chunk_attention import chunk_attention
+
+            flat = chunk_attention(qkv.reshape(-1, qkv.shape[-1]), self.num_heads, self.head_dim, self.chunk)
+            a = flat.reshape(h.shape[0], self.chunk, -1)
+        else:
+            shape = (h.shape[0], self.chunk, self.num_heads, self.head_dim)
+            q, k, v = (z.reshape(shape).transpose(1, 2) for z in qkv.chunk(3, dim=-1))  # [B*N, H, chunk, D]
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(h.shape[0], self.chunk, -1)
         h = h + self.out(a)
         h = h + self.ff(self.norm2(h))
-        return h.reshape(b, t, c).transpose(1, 2)
+        return h.reshape(b, t, c)
 
 
 class TimestepEmbedding(nn.Module):

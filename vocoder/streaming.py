@@ -8,10 +8,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, VocoderConfig
 from vocoder.flow import FlowDecoder
+from vocoder.flow_layers import ChunkTransformer
 from vocoder.graphs import GraphedFunction
+from vocoder.kernels import HAS_TRITON
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
 from vocoder.noise import batch_frame_noise, check_seed, frame_noise
 from vocoder.session import VocoderSession, check_codes
@@ -43,6 +46,7 @@ class StreamingVocoder:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        triton_kernels: bool | None = None,
     ):
         config.validate()
         self.config = config
@@ -51,6 +55,7 @@ class StreamingVocoder:
         self.flow = flow.to(device=self.device, dtype=dtype).eval()
         self.generator = generator.to(device=self.device, dtype=dtype).eval()
         self.voices = voices
+        self.triton_kernels = self._enable_triton_kernels(triton_kernels)
         exact_left, exact_right = receptive_field_frames(self.generator)
         stream = config.stream
         self.is_low_latency = stream.latency == "low"
@@ -82,6 +87,23 @@ class StreamingVocoder:
         self._generate = self.generator
         self._graphed: list[GraphedFunction] = []
         self._graph_pool_generation = self.pool.generation
+
+    def _enable_triton_kernels(self, requested: bool | None) -> bool:
+        """Fused anti-aliased activations in BigVGAN and chunk attention in the estimator (CUDA + Triton).
+
+        None: on wherever they can run. The PyTorch modules stay the reference; tests on the GPU machine
+        (bench/vocoder_profile.py) check the kernels against them.
+        """
+        available = HAS_TRITON and self.device.type == "cuda"
+        if requested and not available:
+            raise ValueError("triton_kernels=True needs a CUDA device and Triton")
+        enabled = available if requested is None else requested
+        if enabled:
+            fuse_activations(self.generator)
+            for module in self.flow.estimator.modules():
+                if isinstance(module, ChunkTransformer):
+                    module.use_triton = True
+        return enabled
 
     def use_cuda_graphs(self, *, max_graphs: int = 32) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
@@ -118,10 +140,12 @@ class StreamingVocoder:
         flow_checkpoint: str | Path | None = None,
         bigvgan_checkpoint: str | Path | None = None,
         config: VocoderConfig | None = None,
+        triton_kernels: bool | None = None,
     ) -> StreamingVocoder:
         """Build `tiny` or `full` (random deterministic weights from `seed` unless checkpoints are given).
 
-        dtype None means float32. Checkpoints are safetensors state dicts (flow: FlowDecoder keys;
+        dtype None means float32; triton_kernels None means on with CUDA and Triton. Checkpoints are
+        safetensors state dicts (flow: FlowDecoder keys;
         BigVGAN: generator keys). `config` overrides the preset (e.g. other Euler steps or chunking).
         """
         cfg = config if config is not None else VocoderConfig.preset(name)
@@ -143,7 +167,9 @@ class StreamingVocoder:
                 ) from None
         generator = build_generator(cfg.bigvgan, checkpoint=bigvgan_checkpoint, seed=seed)
         voices = VoiceLibrary(voices_dir if voices_dir is not None else DEFAULT_VOICES_DIR)
-        return cls(cfg, flow, generator, voices, device=device, dtype=torch_dtype)
+        return cls(
+            cfg, flow, generator, voices, device=device, dtype=torch_dtype, triton_kernels=triton_kernels
+        )
 
     # ---------------------------------------------------------------- sessions
 

@@ -1,0 +1,322 @@
+"""Where the vocoder's time goes on a GPU: encoder / flow / BigVGAN / host per step, and kernel families.
+
+    python bench/vocoder_profile.py --preset full --device cuda --out bench/results/vocoder-profile-h200.json
+
+For each variant ("package": BigVGAN activations of the `bigvgan` package and SDPA in the estimator;
+"fused": the Triton kernels of vocoder/kernels/; same weights, bf16 by default, CUDA graphs on) it times with synchronised wall clocks:
+- the first chunk of one stream (open, then the 5-code push), split into encoder, flow solve, BigVGAN and
+  the rest (host work: windows, crossfade, copies);
+- steady steps of B streams pushing 25 codes each, same split.
+Before timing, the fused activation kernels are checked against the package's `Activation1d` on the GPU
+(float32 and bf16, short and long rows), the chunk attention kernel against SDPA, and the fused vocoder's
+PCM against the package one's on the same codes.
+Then one eager steady step is profiled with torch.profiler and kernels are summed by family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from vocoder import SAMPLES_PER_CODE, StreamingVocoder
+from vocoder.aa_activation import FusedActivation1d, _snake_params
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Split:
+    """Wraps the vocoder's three per-chunk tensor functions with synchronised timers."""
+
+    NAMES = ("encoder", "flow", "bigvgan")
+
+    def __init__(self, voc: StreamingVocoder):
+        self.ms: dict[str, float] = defaultdict(float)
+        for name, attr in zip(self.NAMES, ("_encode", "_flow_step", "_generate")):
+            setattr(voc, attr, self._timed(name, getattr(voc, attr)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def call(*args: torch.Tensor) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args)
+            sync()
+            self.ms[name] += 1e3 * (time.perf_counter() - t0)
+            return out
+
+        return call
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.ms)
+        self.ms.clear()
+        return out
+
+
+def check_activation(device: str) -> dict[str, float]:
+    """Max abs difference fused vs package Activation1d (float32 and bf16 inputs) over several shapes."""
+    from bigvgan.activations import Snake, SnakeBeta
+    from bigvgan.alias_free_activation.torch.act import Activation1d
+
+    torch.manual_seed(0)
+    worst: dict[str, float] = {}
+    for cls in (SnakeBeta, Snake):
+        for channels, length in [(3, 1), (2, 2), (5, 3), (7, 9), (64, 255), (24, 4097)]:
+            ref_mod = Activation1d(cls(channels, alpha_logscale=True)).to(device)
+            with torch.no_grad():
+                for p in ref_mod.act.parameters():
+                    p.normal_(0, 0.5)
+            fused = copy.deepcopy(ref_mod)
+            fused.__class__ = FusedActivation1d
+            alpha, beta, log_scale = _snake_params(fused.act)
+            for dtype in (torch.float32, torch.bfloat16) if device.startswith("cuda") else (torch.float32,):
+                x = torch.randn(3, channels, length, device=device).to(dtype)
+                with torch.no_grad():
+                    ref = ref_mod.float()(x.float())
+                    got = {"gather": fused(x).float()}
+                    if device.startswith("cuda"):
+                        from vocoder.kernels.aa_snake import aa_snake
+
+                        got["direct"] = aa_snake(
+                            x,
+                            alpha,
+                            beta,
+                            fused.upsample.filter,
+                            fused.downsample.lowpass.filter,
+                            log_scale=log_scale,
+                            direct=True,
+                        ).float()
+                for kind, out in got.items():
+                    assert out.shape == ref.shape and torch.isfinite(out).all()
+                    key = f"{kind}-{cls.__name__}-{str(dtype).removeprefix('torch.')}"
+                    worst[key] = max(worst.get(key, 0.0), float((out - ref).abs().max()))
+    return worst
+
+
+def check_attention(device: str) -> dict[str, float]:
+    """Max abs difference of the chunk attention kernel vs SDPA per chunk (bf16 and float32)."""
+    if not device.startswith("cuda"):
+        return {}
+    from vocoder.kernels.chunk_attention import chunk_attention
+
+    torch.manual_seed(1)
+    worst: dict[str, float] = {}
+    for heads, dim, chunk, rows in [(8, 64, 4, 4), (8, 64, 4, 4 * 1000 + 4), (2, 32, 4, 64), (8, 64, 8, 72)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = torch.randn(rows, 3 * heads * dim, device=device, dtype=dtype)
+            got = chunk_attention(qkv, heads, dim, chunk).float()
+            q, k, v = (
+                z.float().reshape(rows // chunk, chunk, heads, dim).transpose(1, 2)
+                for z in qkv.chunk(3, dim=-1)
+            )
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(rows, -1)
+            assert torch.isfinite(got).all()
+            key = f"h{heads}d{dim}c{chunk}-{str(dtype).removeprefix('torch.')}"
+            worst[key] = float((got - ref).abs().max())
+    return worst
+
+
+def first_chunk(voc: StreamingVocoder, split: Split, rounds: int) -> dict[str, Any]:
+    codes = np.random.default_rng(1).integers(0, 16384, 5).tolist()
+    rows = []
+    for r in range(rounds + 3):
+        session = voc.open("default", seed=r)
+        split.take()
+        sync()
+        t0 = time.perf_counter()
+        pcm = voc.push(session, codes)
+        sync()
+        total = 1e3 * (time.perf_counter() - t0)
+        voc.close(session)
+        parts = split.take()
+        assert len(pcm) == 2 * SAMPLES_PER_CODE - voc.overlap_samples and np.isfinite(pcm).all()
+        if r >= 3:  # graphs captured by then
+            rows.append({"total": total, **parts})
+    return summarize(rows)
+
+
+def steady(voc: StreamingVocoder, split: Split, batch: int, steps: int) -> dict[str, Any]:
+    rng = np.random.default_rng(2)
+    sessions = voc.open_many([("default", i) for i in range(batch)])
+    chunk = 25
+    # Walk the schedule 2, 3, 5, 10 (and lookahead) so the timed pushes are steady 25-code chunks.
+    for n in (5, 3, 5, 10):
+        voc.step([(s, rng.integers(0, 16384, n).tolist()) for s in sessions])
+    rows = []
+    for i in range(steps + 3):
+        work = [(s, rng.integers(0, 16384, chunk).tolist()) for s in sessions]
+        split.take()
+        sync()
+        t0 = time.perf_counter()
+        out = voc.step(work)
+        sync()
+        total = 1e3 * (time.perf_counter() - t0)
+        parts = split.take()
+        assert all(len(p) == chunk * SAMPLES_PER_CODE and np.isfinite(p).all() for p in out)
+        if i >= 3:
+            rows.append({"total": total, **parts})
+    for s in sessions:
+        voc.close(s)
+    res = summarize(rows)
+    audio_s = batch * chunk * SAMPLES_PER_CODE / 24000
+    res["aggregate_rtf"] = round(res["total_ms"] / 1e3 / audio_s, 5)
+    for name in Split.NAMES:
+        res[f"{name}_rtf"] = round(res[f"{name}_ms"] / 1e3 / audio_s, 5)
+    return res
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"timed": len(rows)}
+    for key in ("total", *Split.NAMES):
+        out[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in rows), 3)
+    out["host_ms"] = round(out["total_ms"] - sum(out[f"{n}_ms"] for n in Split.NAMES), 3)
+    return out
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    for key, fam in (
+        ("aa_snake", "fused_activation"),
+        ("conv_transpose", "depthwise/transposed conv"),
+        ("dgrad", "depthwise/transposed conv"),
+        ("depthwise", "depthwise/transposed conv"),
+        ("flash", "attention"),
+        ("fmha", "attention"),
+        ("attention", "attention"),
+        ("conv", "conv"),
+        ("cudnn", "conv"),
+        ("gemm", "gemm"),
+        ("gemv", "gemm"),
+        ("nvjet", "gemm"),
+        ("cutlass", "gemm"),
+        ("sm90", "gemm"),
+        ("layer_norm", "norm"),
+        ("sin", "elementwise"),
+        ("elementwise", "elementwise"),
+        ("reduce", "reduce"),
+        ("copy", "copy/cat"),
+        ("cat", "copy/cat"),
+        ("pad", "copy/cat"),
+        ("gather", "copy/cat"),
+    ):
+        if key in n:
+            return fam
+    return "other"
+
+
+def profile_step(voc: StreamingVocoder, batch: int) -> dict[str, Any]:
+    """Kernel time by family over one eager steady step (graphs off so kernels are visible)."""
+    voc._encode, voc._flow_step, voc._generate = voc.flow.encoder, voc._solve_from_pool, voc.generator
+    rng = np.random.default_rng(3)
+    sessions = voc.open_many([("default", i) for i in range(batch)])
+    for n in (5, 3, 5, 10, 25):
+        voc.step([(s, rng.integers(0, 16384, n).tolist()) for s in sessions])
+    work = [(s, rng.integers(0, 16384, 25).tolist()) for s in sessions]
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        with record_function("step"):
+            voc.step(work)
+        sync()
+    for s in sessions:
+        voc.close(s)
+    fams: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            fams[family(evt.name)] += us / 1e3
+            kernels[evt.name[:90]] += us / 1e3
+            counts[evt.name[:90]] += 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "batch": batch,
+        "kernel_ms_by_family": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+        "kernel_ms_total": round(sum(fams.values()), 2),
+        "top_kernels": [{"name": k, "ms": round(v, 2), "calls": counts[k]} for k, v in top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = False
+    result: dict[str, Any] = {
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+    def save() -> None:
+        print(json.dumps(result), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+    result["activation_check_max_abs"] = check_activation(args.device)
+    result["attention_check_max_abs"] = check_attention(args.device)
+    save()
+    base = StreamingVocoder.from_preset(
+        args.preset, device=args.device, dtype=args.dtype, seed=0, triton_kernels=False
+    )
+    fused = StreamingVocoder(
+        base.config,
+        copy.deepcopy(base.flow),
+        copy.deepcopy(base.generator),
+        base.voices,
+        device=base.device,
+        dtype=base.dtype,
+        triton_kernels=args.device.startswith("cuda"),
+    )
+    result["fused_activations"] = sum(isinstance(m, FusedActivation1d) for m in fused.generator.modules())
+    codes = np.random.default_rng(0).integers(0, 16384, 40).tolist()
+    pcm = {}
+    for name, voc in (("package", base), ("fused", fused)):
+        s = voc.open("default", seed=5)
+        pcm[name] = np.concatenate([voc.push(s, codes[:17]), voc.push(s, codes[17:]), voc.finish(s)])
+        assert len(pcm[name]) == 40 * SAMPLES_PER_CODE and np.isfinite(pcm[name]).all()
+    result["pcm_fused_vs_package"] = {
+        "max_abs": float(np.abs(pcm["fused"] - pcm["package"]).max()),
+        "pcm_std": float(pcm["package"].std()),
+    }
+    save()
+    batches = [int(b) for b in args.batches.split(",")]
+    for name, voc in (("fused", fused), ("package", base)):
+        voc.use_cuda_graphs()
+        split = Split(voc)
+        row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
+        result.setdefault("variants", {})[name] = row
+        save()
+        for b in batches:
+            row[f"steady_{b}"] = steady(voc, split, b, args.steps)
+            save()
+    for name, voc in (("fused", fused), ("package", base)):
+        result.setdefault("profile", {})[name] = profile_step(voc, args.profile_batch)
+        save()
+
+
+if __name__ == "__main__":
+    main()

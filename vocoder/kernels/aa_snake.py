@@ -1,0 +1,212 @@
+"""One Triton kernel for BigVGAN's anti-aliased (Snake|SnakeBeta) activation: upsample x2, snake, downsample x2.
+
+The package's `Activation1d` runs replicate pad, a depthwise transposed conv, the snake (several
+elementwise kernels at twice the rate) and a padded depthwise strided conv; this kernel reads x once and
+writes y once. Polyphase form of that composition (12-tap filters, ratio 2; derivation in
+`vocoder/aa_activation.py`, whose `aa_snake_reference` is the same arithmetic in PyTorch, tested on CPU):
+
+    y[t] = sum_j hd[j] * S(u[clamp(2t + j - 5, 0, 2T - 1)])
+    u[p] = 2 * sum_{k = p + 5 (mod 2)} hu[k] * x[clamp((p + 5 - k) / 2, 0, T - 1)]
+
+For p inside [0, 2T) the x index is t + (j - k) / 2 (11 shifts of the same row, shared by all taps);
+p outside is u[0] or u[2T - 1], two numbers per row. Arithmetic in float32, output in x's dtype.
+Only imported when Triton is present (see vocoder/kernels/__init__.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _aa_snake_kernel(
+    x_ptr,
+    y_ptr,
+    alpha_ptr,
+    beta_ptr,
+    hu_ptr,
+    hd_ptr,
+    C,
+    T,
+    LOG_SCALE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = row % C
+    a = tl.load(alpha_ptr + c).to(tl.float32)
+    if HAS_BETA:
+        b = tl.load(beta_ptr + c).to(tl.float32)
+    else:
+        b = a
+    if LOG_SCALE:
+        a = tl.exp(a)
+        b = tl.exp(b)
+    inv_b = 1.0 / (b + 1e-9)
+
+    base = x_ptr + row * T
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    t_mask = t < T
+    last = T - 1
+
+    # u[0] (p = 0: odd taps) and u[2T-1] (p = 2T-1: even taps), the replicate-padded ends of u.
+    u_first = 0.0
+    u_last = 0.0
+    for r in tl.static_range(6):
+        i_first = tl.minimum(tl.maximum(T * 0 + (2 - r), 0), last)
+        i_last = tl.maximum(tl.minimum(T + (2 - r), last), 0)
+        u_first += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * tl.load(base + i_first).to(tl.float32)
+        u_last += tl.load(hu_ptr + 2 * r).to(tl.float32) * tl.load(base + i_last).to(tl.float32)
+    u_first = 2.0 * u_first
+    u_last = 2.0 * u_last
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(12):
+        u = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(6):
+            k = (j % 2) + 2 * r
+            shift = (j - k) // 2
+            idx = tl.minimum(tl.maximum(t + shift, 0), last)
+            xv = tl.load(base + idx, mask=t_mask, other=0.0).to(tl.float32)
+            u += tl.load(hu_ptr + k).to(tl.float32) * xv
+        u = 2.0 * u
+        p = 2 * t + (j - 5)
+        u = tl.where(p < 0, u_first, u)
+        u = tl.where(p > 2 * T - 1, u_last, u)
+        s = tl.sin(u * a)
+        acc += tl.load(hd_ptr + j).to(tl.float32) * (u + inv_b * s * s)
+    tl.store(y_ptr + row * T + t, acc.to(y_ptr.dtype.element_ty), mask=t_mask)
+
+
+@triton.jit
+def _fast_sin(x):
+    # sin.approx after reducing to [-pi, pi]: absolute error ~1e-6 for the arguments snake sees.
+    return tl.inline_asm_elementwise(
+        "sin.approx.f32 $0, $1;",
+        "=r,r",
+        [x - 6.283185307179586 * tl.floor(x * 0.15915494309189535 + 0.5)],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _aa_snake_gather_kernel(
+    x_ptr,
+    y_ptr,
+    alpha_ptr,
+    beta_ptr,
+    hu_ptr,
+    hd_ptr,
+    C,
+    T,
+    LOG_SCALE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each program makes BLOCK - 8 outputs; the snake runs once per upsampled position.
+
+    Lane l holds q = t0 - 4 + l and both phases of u there: ue = u[2q] (odd up-taps), uo = u[2q + 1]
+    (even up-taps), replicate-clamped as u[0] for q < 0 and u[2T - 1] for q >= T. Output t = t0 + l then
+    reads se at lanes l + 2 .. l + 7 and so at lanes l + 1 .. l + 6 (tl.gather across the block):
+    y[t] = sum_a hd[2a + 1] se[t + a - 2] + hd[2a] so[t + a - 3].
+    """
+    row = tl.program_id(0).to(tl.int64)
+    c = row % C
+    a = tl.load(alpha_ptr + c).to(tl.float32)
+    if HAS_BETA:
+        b = tl.load(beta_ptr + c).to(tl.float32)
+    else:
+        b = a
+    if LOG_SCALE:
+        a = tl.exp(a)
+        b = tl.exp(b)
+    inv_b = 1.0 / (b + 1e-9)
+
+    base = x_ptr + row * T
+    t0 = tl.program_id(1) * (BLOCK - 8)
+    lanes = tl.arange(0, BLOCK)
+    q = t0 - 4 + lanes
+    last = T - 1
+    qc = tl.minimum(tl.maximum(q, 0), last)
+    ue = tl.zeros([BLOCK], dtype=tl.float32)
+    uo = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(6):
+        xe = tl.load(base + tl.minimum(tl.maximum(qc + (2 - r), 0), last)).to(tl.float32)
+        xo = tl.load(base + tl.minimum(tl.maximum(qc + (3 - r), 0), last)).to(tl.float32)
+        ue += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * xe
+        uo += tl.load(hu_ptr + 2 * r).to(tl.float32) * xo
+    ue_fixed = tl.where(q > last, uo, ue) * 2.0
+    uo_fixed = tl.where(q < 0, ue, uo) * 2.0
+    se = _fast_sin(ue_fixed * a)
+    so = _fast_sin(uo_fixed * a)
+    se = ue_fixed + inv_b * se * se
+    so = uo_fixed + inv_b * so * so
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(6):
+        ie = tl.minimum(lanes + (i + 2), BLOCK - 1)
+        io = tl.minimum(lanes + (i + 1), BLOCK - 1)
+        acc += tl.load(hd_ptr + 2 * i + 1).to(tl.float32) * tl.gather(se, ie, 0)
+        acc += tl.load(hd_ptr + 2 * i).to(tl.float32) * tl.gather(so, io, 0)
+    t = t0 + lanes
+    tl.store(y_ptr + row * T + t, acc.to(y_ptr.dtype.element_ty), mask=(lanes < BLOCK - 8) & (t < T))
+
+
+HAS_GATHER = hasattr(tl, "gather")
+
+
+def aa_snake(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor | None,
+    up_filter: torch.Tensor,
+    down_filter: torch.Tensor,
+    *,
+    log_scale: bool,
+    direct: bool = False,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """x [B, C, T] (CUDA) -> [B, C, T]: downsample2(snake(upsample2(x))) as in bigvgan's Activation1d.
+
+    alpha, beta: [C] snake parameters (log scale if `log_scale`); beta None for plain Snake.
+    up_filter, down_filter: the 12-tap float32 filters of UpSample1d / DownSample1d.
+    direct: use the per-output kernel (12 snakes per output) even where tl.gather exists (checks).
+    block, num_warps: override the launch shape (bench/aa_snake_tune.py).
+    """
+    assert x.dim() == 3 and x.is_cuda
+    assert up_filter.numel() == 12 and down_filter.numel() == 12
+    x = x.contiguous()
+    bsz, channels, length = x.shape
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    alpha_beta = (alpha, beta if beta is not None else alpha)
+    filters = (up_filter.reshape(-1).float().contiguous(), down_filter.reshape(-1).float().contiguous())
+    flags = {"LOG_SCALE": log_scale, "HAS_BETA": beta is not None}
+    if HAS_GATHER and not direct:
+        block = block or (512 if length >= 1024 else 128 if length >= 96 else 32)
+        warps = num_warps or (4 if block >= 128 else 1)
+        grid = (bsz * channels, triton.cdiv(length, block - 8))
+        _aa_snake_gather_kernel[grid](
+            x, y, *alpha_beta, *filters, channels, length, **flags, BLOCK=block, num_warps=warps
+        )
+        return y
+    block = 256 if length >= 256 else max(16, triton.next_power_of_2(length))
+    grid = (bsz * channels, triton.cdiv(length, block))
+    _aa_snake_kernel[grid](
+        x,
+        y,
+        *alpha_beta,
+        *filters,
+        channels,
+        length,
+        **flags,
+        BLOCK=block,
+        num_warps=4 if block >= 128 else 1,
+    )
+    return y
