@@ -129,7 +129,7 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
         args = yaml.safe_load(f)["applications"][0].get("args", {})
     vocoder = {k.removeprefix("vocoder_"): v for k, v in args.items()
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
-                        "vocoder_max_batch_size", "vocoder_cuda_graphs")}
+                        "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -159,7 +159,8 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
     vocoder = StreamingVocoder.from_preset(vocoder_kwargs["preset"], device=vocoder_kwargs["device"],
-                                           dtype=vocoder_kwargs.get("dtype"), seed=vocoder_kwargs.get("seed", 0))
+                                           dtype=vocoder_kwargs.get("dtype"), seed=vocoder_kwargs.get("seed", 0),
+                                           triton_kernels=vocoder_kwargs.get("triton_kernels"))
     if vocoder_kwargs.get("cuda_graphs"):
         vocoder.use_cuda_graphs()  # as deployments/vocoder_server.py does with vocoder_cuda_graphs
     settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch},

@@ -51,6 +51,9 @@ class AppArgs(BaseModel):
     vocoder_seed: int = 0
     # Replay CUDA graphs of the vocoder's per-chunk stages (StreamingVocoder.use_cuda_graphs); cuda only.
     vocoder_cuda_graphs: bool = False
+    # The vocoder's Triton kernels (fused BigVGAN activation, chunk attention; vocoder/kernels/).
+    # None: on wherever CUDA and Triton are present; false forces the bigvgan package's modules and SDPA.
+    vocoder_triton_kernels: bool | None = None
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
 

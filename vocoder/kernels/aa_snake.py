@@ -189,8 +189,9 @@ def aa_snake(
     filters = (up_filter.reshape(-1).float().contiguous(), down_filter.reshape(-1).float().contiguous())
     flags = {"LOG_SCALE": log_scale, "HAS_BETA": beta is not None}
     if HAS_GATHER and not direct:
-        block = block or (512 if length >= 1024 else 128 if length >= 96 else 32)
-        warps = num_warps or (4 if block >= 128 else 1)
+        # One warp per program measured fastest on the H200 (bench/results/aa-snake-tune-h200.json).
+        block = block or (512 if length >= 16384 else 256 if length >= 96 else 32)
+        warps = num_warps or 1
         grid = (bsz * channels, triton.cdiv(length, block - 8))
         _aa_snake_gather_kernel[grid](
             x, y, *alpha_beta, *filters, channels, length, **flags, BLOCK=block, num_warps=warps
