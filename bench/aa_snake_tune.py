@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,20 +24,13 @@ import torch
 from bigvgan.activations import SnakeBeta
 from bigvgan.alias_free_activation.torch.act import Activation1d
 
+from bench.engine import time_fn
 from vocoder.kernels.aa_snake import aa_snake
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median of 20 CUDA-event timings after one warm-up call (bench.engine.time_fn)."""
+    return time_fn(fn, torch.device("cuda"), warmup=1, reps=20).median_ms
 
 
 def main() -> None:

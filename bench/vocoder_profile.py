@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+import bench.vocoder as bench_vocoder
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder
 from vocoder.aa_activation import FusedActivation1d, _snake_params
 
@@ -37,8 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    bench_vocoder.sync("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class Split:

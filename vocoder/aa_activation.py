@@ -18,6 +18,7 @@ kernel uses against the package's modules.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -59,6 +60,26 @@ def _check_geometry(act: Activation1d) -> None:
         raise ValueError("fused activation supports ratio 2 with 12-tap filters only (bigvgan's default)")
 
 
+def _reference_inputs(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor | None,
+    up_filter: torch.Tensor,
+    down_filter: torch.Tensor,
+    log_scale: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """x, the two filters and the snake u -> u + sin^2(a u) / (b + 1e-9), all in float32 per channel."""
+    a = alpha.float()[None, :, None]
+    b = (beta if beta is not None else alpha).float()[None, :, None]
+    if log_scale:
+        a, b = a.exp(), b.exp()
+
+    def snake(u: torch.Tensor) -> torch.Tensor:
+        return u + torch.sin(u * a) ** 2 / (b + 1e-9)
+
+    return x.float(), up_filter.reshape(-1).float(), down_filter.reshape(-1).float(), snake
+
+
 def aa_snake_reference(
     x: torch.Tensor,
     alpha: torch.Tensor,
@@ -69,13 +90,8 @@ def aa_snake_reference(
     log_scale: bool,
 ) -> torch.Tensor:
     """The fused kernel's arithmetic in PyTorch (float32): x [B, C, T] -> [B, C, T]."""
-    _, _, length = x.shape
-    xf = x.float()
-    hu, hd = up_filter.reshape(-1).float(), down_filter.reshape(-1).float()
-    a = alpha.float()[None, :, None]
-    b = (beta if beta is not None else alpha).float()[None, :, None]
-    if log_scale:
-        a, b = a.exp(), b.exp()
+    length = x.shape[2]
+    xf, hu, hd, snake = _reference_inputs(x, alpha, beta, up_filter, down_filter, log_scale)
     t = torch.arange(length, device=x.device)
     last = length - 1
     # The replicate-padded ends of u: u[0] (odd taps) and u[2T - 1] (even taps), one value per row.
@@ -90,7 +106,7 @@ def aa_snake_reference(
         u = 2.0 * u
         p = 2 * t + j - 5
         u = torch.where(p < 0, u_first, torch.where(p > 2 * length - 1, u_last, u))
-        y += hd[j] * (u + torch.sin(u * a) ** 2 / (b + 1e-9))
+        y += hd[j] * snake(u)
     return y.to(x.dtype)
 
 
@@ -109,20 +125,15 @@ def aa_snake_polyphase_reference(
     (x replicate-clamped; for q < 0 both are u[0] = ue[0], for q >= T both are u[2T - 1] = uo[T - 1]),
     y[t] = sum_a hd[2a + 1] S(ue[t + a - 2]) + hd[2a] S(uo[t + a - 3]).
     """
-    _, _, length = x.shape
-    xf = x.float()
-    hu, hd = up_filter.reshape(-1).float(), down_filter.reshape(-1).float()
-    a = alpha.float()[None, :, None]
-    b = (beta if beta is not None else alpha).float()[None, :, None]
-    if log_scale:
-        a, b = a.exp(), b.exp()
+    length = x.shape[2]
+    xf, hu, hd, snake = _reference_inputs(x, alpha, beta, up_filter, down_filter, log_scale)
     last = length - 1
     q = torch.arange(-3, length + 3, device=x.device)  # every q some output reads
     qc = q.clamp(0, last)
     ue = 2.0 * sum(hu[2 * r + 1] * xf[:, :, (qc + 2 - r).clamp(0, last)] for r in range(6))
     uo = 2.0 * sum(hu[2 * r] * xf[:, :, (qc + 3 - r).clamp(0, last)] for r in range(6))
     ue, uo = torch.where(q > last, uo, ue), torch.where(q < 0, ue, uo)
-    se, so = (u + torch.sin(u * a) ** 2 / (b + 1e-9) for u in (ue, uo))
+    se, so = snake(ue), snake(uo)
     y = torch.zeros_like(xf)
     for i in range(6):  # se[t + i - 2] sits at column t + i + 1, so[t + i - 3] at column t + i
         y += hd[2 * i + 1] * se[:, :, i + 1 : i + 1 + length] + hd[2 * i] * so[:, :, i : i + length]
@@ -139,9 +150,18 @@ class FusedActivation1d(Activation1d):
         from vocoder.kernels.aa_snake import aa_snake
 
         alpha, beta, log_scale = _snake_params(self.act)
-        return aa_snake(
-            x, alpha, beta, self.upsample.filter, self.downsample.lowpass.filter, log_scale=log_scale
-        )
+        return aa_snake(x, alpha, beta, *self._float_filters(), log_scale=log_scale)
+
+    def _float_filters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 12-tap filters as contiguous float32, made again only when the buffers change (a cast per
+        call would add two kernels to every activation, in eager runs and in captured graphs alike)."""
+        buffers = (self.upsample.filter, self.downsample.lowpass.filter)
+        key = tuple((f.data_ptr(), f._version, f.dtype) for f in buffers)  # in-place copies bump _version
+        cached = self.__dict__.get("_filters_f32")
+        if cached is None or cached[0] != key:
+            cached = (key, tuple(f.reshape(-1).float().contiguous() for f in buffers))
+            self.__dict__["_filters_f32"] = cached
+        return cached[1]
 
 
 def fuse_activations(model: nn.Module) -> int:

@@ -21,6 +21,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _snake_coefficients(alpha_ptr, beta_ptr, c, LOG_SCALE: tl.constexpr, HAS_BETA: tl.constexpr):
+    """(alpha, 1 / (beta + 1e-9)) of channel c in float32, as bigvgan's Snake / SnakeBeta use them."""
+    a = tl.load(alpha_ptr + c).to(tl.float32)
+    if HAS_BETA:
+        b = tl.load(beta_ptr + c).to(tl.float32)
+    else:
+        b = a
+    if LOG_SCALE:
+        a = tl.exp(a)
+        b = tl.exp(b)
+    return a, 1.0 / (b + 1e-9)
+
+
+@triton.jit
 def _aa_snake_kernel(
     x_ptr,
     y_ptr,
@@ -35,16 +49,7 @@ def _aa_snake_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    c = row % C
-    a = tl.load(alpha_ptr + c).to(tl.float32)
-    if HAS_BETA:
-        b = tl.load(beta_ptr + c).to(tl.float32)
-    else:
-        b = a
-    if LOG_SCALE:
-        a = tl.exp(a)
-        b = tl.exp(b)
-    inv_b = 1.0 / (b + 1e-9)
+    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, row % C, LOG_SCALE, HAS_BETA)
 
     base = x_ptr + row * T
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -115,16 +120,7 @@ def _aa_snake_gather_kernel(
     y[t] = sum_a hd[2a + 1] se[t + a - 2] + hd[2a] so[t + a - 3].
     """
     row = tl.program_id(0).to(tl.int64)
-    c = row % C
-    a = tl.load(alpha_ptr + c).to(tl.float32)
-    if HAS_BETA:
-        b = tl.load(beta_ptr + c).to(tl.float32)
-    else:
-        b = a
-    if LOG_SCALE:
-        a = tl.exp(a)
-        b = tl.exp(b)
-    inv_b = 1.0 / (b + 1e-9)
+    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, row % C, LOG_SCALE, HAS_BETA)
 
     base = x_ptr + row * T
     t0 = tl.program_id(1) * (BLOCK - 8)
