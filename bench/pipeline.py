@@ -51,17 +51,8 @@ class Pipeline:
     def request(self, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                 temperature: float | None) -> Any:
         """A GenerationRequest with the ingress's read-aloud prompt."""
-        from deployments.validation import READ_ALOUD_PROMPT
-        from runtime.prompts import ChatMessage, build_prompt_rows
-        from runtime.request import GenerationRequest
-        from runtime.sampling import SamplingParams
-
-        rows = build_prompt_rows(self.engine.tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT),
-                                                         ChatMessage("user", text)], output_modality="audio")
-        audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
-        return GenerationRequest(request_id=f"bench-{next(_ids)}", prompt_rows=tuple(rows),
-                                 audio_sampling=audio, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=min_new_tokens, seed=seed)
+        return speech_request(self.engine.tokenizer, text, max_new_tokens=max_new_tokens,
+                              min_new_tokens=min_new_tokens, seed=seed, temperature=temperature)
 
     async def run_request(self, request: Any) -> RequestResult:
         """Generate and vocode one request; engine refusals become a failed result."""
@@ -117,6 +108,21 @@ class Pipeline:
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
         return results, time.perf_counter() - started
+
+
+def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
+                   temperature: float | None) -> Any:
+    """A GenerationRequest with the ingress's read-aloud prompt (audio sampling at `temperature`)."""
+    from deployments.validation import READ_ALOUD_PROMPT
+    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.request import GenerationRequest
+    from runtime.sampling import SamplingParams
+
+    rows = build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", text)],
+                             output_modality="audio")
+    audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
+    return GenerationRequest(request_id=f"bench-{next(_ids)}", prompt_rows=tuple(rows), audio_sampling=audio,
+                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, seed=seed)
 
 
 def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -68,8 +68,14 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        *,
+        plain_tensors: bool = True,
     ) -> AttentionMetadata:
-        """Validate one step's layout and precompute the slot and mask tensors every layer reuses."""
+        """Validate one step's layout and precompute the slot and mask tensors every layer reuses.
+
+        `plain_tensors=False` leaves out what only `paged_attention` reads (`decode_rows`,
+        `decode_key_slots`, `decode_key_mask`, `chunks`): the fast path's kernels read the block tables.
+        """
         _validate(query_lens, seq_lens, block_tables, block_size)
         slots: list[int] = []
         chunks: list[ChunkPlan] = []
@@ -85,6 +91,9 @@ class AttentionMetadata:
                 decode_rows.append(row)
                 decode_lens.append(seq_len)
                 decode_tables.append(table)
+            elif not plain_tensors:
+                first = seq_len - query_len
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(first, seq_len))
             else:
                 pos = torch.arange(seq_len)  # [seq_len]
                 key_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size  # [seq_len]
@@ -106,7 +115,7 @@ class AttentionMetadata:
             block_size=block_size,
             chunks=chunks,
         )
-        if decode_rows:
+        if decode_rows and plain_tensors:
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long).to(device)
             max_blocks = max(len(t) for t in decode_tables)
             # Padding points at a real block of the same sequence; those positions are masked out.

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -105,6 +106,32 @@ class EngineStats:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """Where one engine step's wall time went (host clock, seconds).
+
+    `forward_s` is the time to launch the forward pass (a graph replay returns at once);
+    `sample_s` includes waiting for the GPU to finish it, since sampling reads the ids back.
+    """
+
+    path: str  # the model runner's path: "graph", "prefill_graph", "fast" or "plain"
+    num_seqs: int
+    num_rows: int
+    num_decode_seqs: int
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    record_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.record_s
+
+
+STEP_LOG_LEN = 4096  # steps kept in `EngineCore.step_log`
+
+
 def default_seed(request_id: str) -> int:
     """Seed of a request that gives none: the first 8 bytes of sha256(request_id)."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
@@ -173,6 +200,8 @@ class EngineCore:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)  # the latest steps, oldest first
+        self._timing: list[float] = []  # the current step's phases so far (see StepRecord)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -219,12 +248,28 @@ class EngineCore:
 
     def begin_step(self) -> tuple[list[tuple[str, Event]], SchedulerOutput, ModelInput | None]:
         """Expire overdue waiting requests, schedule, and build the model input (None: nothing to run)."""
+        start = time.perf_counter()
         events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
         out = self.scheduler.schedule()
-        return events, out, (None if out.is_empty else self.runner.prepare(out))
+        scheduled = time.perf_counter()
+        inp = None if out.is_empty else self.runner.prepare(out)
+        self._timing = [scheduled - start, time.perf_counter() - scheduled]
+        return events, out, inp
+
+    def run_model(self, inp: ModelInput) -> tuple[dict[str, Row], float]:
+        """Forward and sample (no core state is touched: callers may run this without their lock)
+        -> (sampled rows by request id, seconds)."""
+        start = time.perf_counter()
+        logits = self.runner.forward(inp)
+        launched = time.perf_counter()
+        sampled = self.runner.sample(inp, logits)
+        done = time.perf_counter()
+        self._timing += [launched - start, done - launched]
+        return sampled, done - start
 
     def end_step(self, out: SchedulerOutput, sampled: dict[str, Row], step_s: float) -> list[tuple[str, Event]]:
         """Record the step's results and return the events they produce, in batch order."""
+        start = time.perf_counter()
         for chunk in out.chunks:
             if chunk.is_decode:
                 chunk.seq.decode_s += step_s
@@ -243,15 +288,21 @@ class EngineCore:
                 events.append((rid, AudioCodes((code,))))
             if seq.is_finished:
                 events += self._finish_events(seq)
+        if len(self._timing) == 4:
+            schedule_s, prepare_s, forward_s, sample_s = self._timing
+            self.step_log.append(StepRecord(
+                path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
+                num_decode_seqs=sum(c.is_decode for c in out.chunks), schedule_s=schedule_s, prepare_s=prepare_s,
+                forward_s=forward_s, sample_s=sample_s, record_s=time.perf_counter() - start))
+        self._timing = []
         return events
 
     def step(self) -> list[tuple[str, Event]]:
         """One whole step on the calling thread; returns (request id, event) pairs."""
         events, out, inp = self.begin_step()
         if inp is not None:
-            start = time.perf_counter()
-            sampled = self.runner.execute(inp)
-            events += self.end_step(out, sampled, time.perf_counter() - start)
+            sampled, step_s = self.run_model(inp)
+            events += self.end_step(out, sampled, step_s)
         return events
 
     def stats(self) -> EngineStats:
@@ -400,9 +451,7 @@ class Engine:
         if inp is None:
             time.sleep(0.001)  # only queue expiries happened; do not spin
             return True
-        start = time.perf_counter()
-        sampled = self.core.runner.execute(inp)
-        step_s = time.perf_counter() - start
+        sampled, step_s = self.core.run_model(inp)
         with self._lock:
             self._deliver(self.core.end_step(out, sampled, step_s))
         return True

@@ -50,6 +50,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
         self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph", "prefill_graph"
+        self.last_path = ""  # the path of the latest forward
         self.fast = None
         self.graphs = None
         self.prefill_graphs = None
@@ -88,7 +89,8 @@ class ModelRunner:
                 sample_request_ids.append(seq.request_id)
                 samplers.append(seq.sampler)
         tokens, is_audio = split_rows(rows)  # [N], [N]
-        attn = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_cache.block_size, self.device)
+        attn = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_cache.block_size, self.device,
+                                       plain_tensors=self.fast is None)
         return ModelInput(
             tokens=tokens.to(self.device),
             is_audio=is_audio.to(self.device),
@@ -102,7 +104,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> dict[str, Row]:
         """Forward the batch, then sample one row for each sequence that completed its known rows."""
-        text_logits, audio_logits = self._forward(inp)  # [S, Vt], [S, Va]
+        return self.sample(inp, self.forward(inp))
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the forward pass -> (text_logits [S, Vt], audio_logits [S, Va]); does not wait for the GPU.
+
+        The logits may be views of a graph's static output: `sample` them before the next `forward`."""
+        return self._forward(inp)
+
+    @torch.inference_mode()
+    def sample(self, inp: ModelInput, logits: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Row]:
+        """Sample the rows of `forward`'s logits (waits for the GPU when reading the sampled ids)."""
+        text_logits, audio_logits = logits
         if not inp.samplers:
             return {}
         text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
@@ -114,16 +128,20 @@ class ModelRunner:
         """`prepare` then `execute`; returns the sampled row per request id."""
         return self.execute(self.prepare(out))
 
+    def _took(self, path: str) -> None:
+        self.num_steps_by_path[path] += 1
+        self.last_path = path
+
     def _forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
         attn = inp.attn
         if self.fast is None or self.graphs is None:
-            self.num_steps_by_path["plain"] += 1
+            self._took("plain")
             return self.model(inp.tokens, inp.is_audio, inp.positions, self.kv_cache, attn)
         from runtime.fast_forward import StepInputs
 
         batch = len(attn.query_lens)
         if max(attn.query_lens) == 1 and batch <= self.graphs.max_batch:
-            self.num_steps_by_path["graph"] += 1
+            self._took("graph")
             width = max(len(t) for t in attn.block_tables)
             tables = torch.tensor(
                 [t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32
@@ -136,12 +154,12 @@ class ModelRunner:
             )
         if (self.prefill_graphs is not None and batch == 1
                 and attn.query_lens[0] <= self.prefill_graphs.max_rows):
-            self.num_steps_by_path["prefill_graph"] += 1
+            self._took("prefill_graph")
             table = torch.tensor(attn.block_tables[0], dtype=torch.int32)  # [W]
             return self.prefill_graphs.run(
                 inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, table.to(self.device), attn.seq_lens[0]
             )
-        self.num_steps_by_path["fast"] += 1
+        self._took("fast")
         num_parts = self.fast.decode_num_parts(batch, max(attn.seq_lens)) if max(attn.query_lens) == 1 else 1
         step = StepInputs.from_metadata(inp.tokens, inp.is_audio, inp.positions, attn, num_parts=num_parts)
         return self.fast(step, self.kv_cache)

@@ -12,16 +12,21 @@ Semantics follow the facts sheet and Hugging Face ``generate``:
 - temperature 0 means greedy: argmax after masks and penalty, ties to the lowest index;
 - in audio mode the sampled text token is overwritten with MODALITY_PAD (see :mod:`runtime.modality`).
 
-Reproducibility: each :class:`RequestSampler` owns a ``torch.Generator`` seeded from its seed and draws
-exactly two uniforms per step (text, then audio) from it, even for greedy channels, so a request's samples
-do not depend on which other requests share the batch, on their order, or on the other channel's settings.
-The generator lives on the logits' device (created on the first step), so the same seed gives different
-streams on CPU and on CUDA.
+Reproducibility: each :class:`RequestSampler` draws exactly two uniforms per step (text, then audio) from a
+counter-based generator (SplitMix64 over its seed and a draw counter, on the host), even for greedy channels
+and for the text channel of audio-mode rows, so a request's samples do not depend on which other requests
+share the batch, on their order, on the other channel's settings, or on the device.
 
-Vectorisation: the math runs once over the whole batch on the logits' device. The repetition penalty uses a
-per-request boolean presence mask per channel (``[V]`` on the device, updated as rows are appended) stacked to
-``[S, V]`` and applied with ``torch.where``; this gives the same values as HF's gather/scatter without
-rebuilding padded id lists from Python every step.
+Vectorisation: the math runs once over the whole batch on the logits' device, with a fixed handful of kernel
+launches and host-to-device copies per step whatever the batch size:
+
+- rows in audio mode skip the text channel entirely (their text token is overwritten with MODALITY_PAD, so
+  sampling it could not change the row), which saves the top-k over the ~152k text ids for speech output;
+- the repetition penalty builds each step's ``[S, V]`` presence mask from every request's distinct history
+  ids (kept on the host) with one copy and one scatter; this gives the same values as HF's gather/scatter;
+- top-k runs on ``torch.topk`` of the largest k in the batch (re-ordered stably, lowest id first among equal
+  values, as the full sort orders them); a batch with top-k disabled or above 1024, or with ties at the k-th
+  value reaching past the k kept ids, takes the full sort instead, so both give the same ids.
 """
 from __future__ import annotations
 
@@ -30,12 +35,24 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from runtime.config import ENDOFTEXT_ID, EOSP_ID, IM_END_ID, Row
-from runtime.modality import Mode, apply_modality, is_output_code, next_mode, replay_mode
+from runtime.config import ENDOFTEXT_ID, EOSP_ID, IM_END_ID, MODALITY_PAD_ID, Row
+from runtime.modality import TEXT_MODE, Mode, apply_modality, is_output_code, next_mode, replay_mode
 
 _MAX_SEED = 2**64
+_MASK64 = 2**64 - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+TOPK_FAST_MAX = 1024  # largest top_k sampled from `torch.topk` instead of a full sort
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's output function of the 64-bit state ``x`` (Steele, Lea and Flood 2014)."""
+    z = (x + _GOLDEN64) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True)
@@ -81,32 +98,36 @@ class SamplingParams:
 
 
 class _ChannelHistory:
-    """Distinct token ids seen on one channel, as a presence mask on the logits' device."""
+    """Distinct token ids seen on one channel, in order of first appearance, kept on the host."""
 
     def __init__(self, name: str, prompt_ids: Sequence[int]) -> None:
         self.name = name
-        self._pending: list[int] = list(prompt_ids)  # ids not yet written into the mask
-        self._mask: torch.Tensor | None = None  # [V] bool, created on the first step
+        self._seen: set[int] = set()
+        self._ids = np.empty(max(16, len(prompt_ids)), dtype=np.int64)
+        self._len = 0
+        self.max_id = -1
+        for token in prompt_ids:
+            self.append(token)
 
-    def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """Return the ``[V]`` presence mask, folding in ids appended since the last call."""
-        if self._mask is None:
-            self._mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        elif self._mask.shape[0] != vocab_size or self._mask.device != device:
-            raise ValueError(
-                f"{self.name} logits changed from {self._mask.shape[0]} ids on {self._mask.device} "
-                f"to {vocab_size} ids on {device} during one request"
-            )
-        if self._pending:
-            bad = [i for i in self._pending if not 0 <= i < vocab_size]
-            if bad:
-                raise ValueError(f"{self.name} history holds ids outside [0, {vocab_size}): {bad[:5]}")
-            self._mask[torch.tensor(self._pending, dtype=torch.long, device=device)] = True
-            self._pending.clear()
-        return self._mask
+    def ids(self) -> np.ndarray:
+        """The distinct ids so far ([n] int64, a view: do not mutate)."""
+        return self._ids[: self._len]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError when an id of the history is outside ``[0, vocab_size)``."""
+        if self.max_id >= vocab_size:
+            bad = [int(i) for i in self.ids() if i >= vocab_size]
+            raise ValueError(f"{self.name} history holds ids outside [0, {vocab_size}): {bad[:5]}")
 
     def append(self, token: int) -> None:
-        self._pending.append(token)
+        if token in self._seen:
+            return
+        self._seen.add(token)
+        if self._len == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+        self._ids[self._len] = token
+        self._len += 1
+        self.max_id = max(self.max_id, token)
 
 
 class RequestSampler:
@@ -145,7 +166,8 @@ class RequestSampler:
         self._last_output_code: int | None = None
         self._text_history = _ChannelHistory("text", [r[0] for r in rows])
         self._audio_history = _ChannelHistory("audio", [r[1] for r in rows])
-        self._generator: torch.Generator | None = None
+        self._key = splitmix64(seed)
+        self._num_draws = 0
 
     @property
     def mode(self) -> Mode:
@@ -172,14 +194,13 @@ class RequestSampler:
         """The output code carried by the most recent row, or None if it carries none (or no row yet)."""
         return self._last_output_code
 
-    def _draw_uniforms(self, device: torch.device) -> torch.Tensor:
-        """Two uniforms in [0, 1) from this request's generator: [text, audio]."""
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        elif self._generator.device != device:
-            raise ValueError(f"logits moved from {self._generator.device} to {device} during one request")
-        return torch.rand(2, generator=self._generator, device=device, dtype=torch.float32)  # [2]
+    def _draw_uniforms(self) -> tuple[float, float]:
+        """The step's two uniforms in [0, 1), (text, audio): 24-bit floats, exact in float32."""
+        n = self._num_draws
+        self._num_draws = n + 2
+        key = self._key
+        return (splitmix64(key ^ (n * _GOLDEN64 & _MASK64)) >> 40) / 2**24, (
+            splitmix64(key ^ ((n + 1) * _GOLDEN64 & _MASK64)) >> 40) / 2**24
 
     def _append(self, text_token: int, audio_token: int) -> Row:
         row = apply_modality(self._mode, text_token, audio_token)
@@ -224,21 +245,34 @@ def sample_next_rows(
     if num_seqs == 0:
         return []
     device = text_logits.device
-    uniforms = torch.stack([s._draw_uniforms(device) for s in samplers])  # [S, 2]
+    uniforms = torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32).to(device)  # [S, 2]
 
     audio = audio_logits.float().clone()  # [S, Va]
     audio[:, EOSP_ID + 1 :] = -math.inf  # ids above EOSP are never generated
-    eosp_blocked = torch.tensor([s.num_generated < s.min_new_tokens for s in samplers], device=device)  # [S]
-    audio[:, EOSP_ID] = audio[:, EOSP_ID].masked_fill(eosp_blocked, -math.inf)
-
-    text_params = [s.text_params for s in samplers]
+    blocked = [i for i, s in enumerate(samplers) if s.num_generated < s.min_new_tokens]
+    if blocked:
+        rows = blocked if len(blocked) < num_seqs else slice(None)
+        audio[rows, EOSP_ID] = -math.inf
     audio_params = [s.audio_params for s in samplers]
-    text = _penalise_channel(text_logits.float(), [s._text_history for s in samplers], text_params)
     audio = _penalise_channel(audio, [s._audio_history for s in samplers], audio_params)
+    tokens = [sample_tokens(audio, audio_params, uniforms[:, 1])]  # [S]
 
-    text_tokens = sample_tokens(text, text_params, uniforms[:, 0]).tolist()
-    audio_tokens = sample_tokens(audio, audio_params, uniforms[:, 1]).tolist()
-    return [s._append(t, a) for s, t, a in zip(samplers, text_tokens, audio_tokens, strict=True)]
+    # Audio-mode rows get MODALITY_PAD as their text token whatever is sampled: skip their text channel.
+    text_rows = [i for i, s in enumerate(samplers) if s.mode == TEXT_MODE]
+    if text_rows:
+        text = text_logits
+        text_uniforms = uniforms[:, 0]
+        if len(text_rows) < num_seqs:
+            index = torch.tensor(text_rows, dtype=torch.long).to(device)
+            text, text_uniforms = text.index_select(0, index), text_uniforms.index_select(0, index)
+        text_params = [samplers[i].text_params for i in text_rows]
+        text = _penalise_channel(text.float(), [samplers[i]._text_history for i in text_rows], text_params)
+        tokens.append(sample_tokens(text, text_params, text_uniforms))  # [T]
+    picked = torch.cat(tokens).tolist()  # the step's one wait for the GPU
+    text_tokens = [MODALITY_PAD_ID] * num_seqs
+    for i, token in zip(text_rows, picked[num_seqs:], strict=True):
+        text_tokens[i] = token
+    return [s._append(t, a) for s, t, a in zip(samplers, text_tokens, picked[:num_seqs], strict=True)]
 
 
 def _penalise_channel(
@@ -247,9 +281,15 @@ def _penalise_channel(
     """Apply each request's repetition penalty over its own channel history (skipped when all are 1.0)."""
     if all(p.repetition_penalty == 1.0 for p in params):
         return logits
-    vocab_size = logits.shape[1]
-    seen = torch.stack([h.mask(vocab_size, logits.device) for h in histories])  # [S, V] bool
-    penalties = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=logits.device)
+    num_seqs, vocab_size = logits.shape
+    for history in histories:
+        history.check_vocab(vocab_size)
+    ids = [h.ids() for h in histories]
+    rows = np.repeat(np.arange(num_seqs, dtype=np.int64), [len(i) for i in ids])
+    where = torch.from_numpy(np.stack([rows, np.concatenate(ids)])).to(logits.device)  # [2, total]
+    seen = torch.zeros(num_seqs, vocab_size, dtype=torch.bool, device=logits.device)  # [S, V]
+    seen[where[0], where[1]] = True
+    penalties = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype).to(logits.device)
     return apply_repetition_penalty(logits, seen, penalties)
 
 
@@ -284,30 +324,43 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], unifor
         return greedy
     device = logits.device
     vocab_size = logits.shape[1]
-    temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=device)  # [S]
-    top_ks = torch.tensor(
-        [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device
-    )  # [S]
-    top_ps = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device)  # [S]
+    ks = [1 if p.is_greedy else p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    settings = torch.tensor(
+        [[1.0 if p.is_greedy else p.temperature, k, p.top_p if p.top_p < 1.0 else math.inf, p.is_greedy]
+         for p, k in zip(params, ks, strict=True)], dtype=torch.float32,
+    ).to(device)  # [S, 4]: temperature, top-k, top-p, greedy
+    temps, top_ks, top_ps = settings[:, 0], settings[:, 1].long(), settings[:, 2]
+    is_greedy = settings[:, 3].bool()
 
     scaled = logits / temps.unsqueeze(1)  # [S, V]
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # [S, V] each
+    sorted_logits = sorted_ids = None
+    k_max = max(ks)
+    if k_max <= TOPK_FAST_MAX:
+        values, ids = scaled.topk(k_max, dim=-1)  # [S, kmax], descending
+        kth = values.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
+        # HF keeps every id tied with the k-th value; when such ties reach past the ids kept, sort it all.
+        ties_past_k = ((scaled >= kth).sum(dim=-1) > top_ks) & ~is_greedy  # [S]
+        if not bool(ties_past_k.any()):
+            by_id, order = ids.sort(dim=-1)  # equal values in id order, as the full stable sort has them
+            sorted_logits, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+            sorted_ids = by_id.gather(1, order)  # [S, kmax]
+    if sorted_logits is None or sorted_ids is None:
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # [S, V] each
     kth = sorted_logits.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
-    probs = sorted_logits.softmax(dim=-1)  # [S, V]
-    mass_before = probs.cumsum(dim=-1) - probs  # [S, V] probability of strictly higher-ranked ids
-    outside_top_p = mass_before >= top_ps.unsqueeze(1)  # [S, V]
+    probs = sorted_logits.softmax(dim=-1)  # [S, K]
+    mass_before = probs.cumsum(dim=-1) - probs  # [S, K] probability of strictly higher-ranked ids
+    outside_top_p = mass_before >= top_ps.unsqueeze(1)  # [S, K]
     outside_top_p[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(outside_top_p, -math.inf)
 
-    probs = sorted_logits.softmax(dim=-1)  # [S, V]; kept ids form a prefix of the sorted order
-    cdf = probs.cumsum(dim=-1)  # [S, V]
+    probs = sorted_logits.softmax(dim=-1)  # [S, K]; kept ids form a prefix of the sorted order
+    cdf = probs.cumsum(dim=-1)  # [S, K]
     targets = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)  # [S, 1]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)  # [S]
     num_positive = (probs > 0).sum(dim=-1)  # [S]
     picked = torch.minimum(picked, num_positive - 1)  # guard against float rounding at the top
     sampled = sorted_ids.gather(1, picked.unsqueeze(1)).squeeze(1)  # [S]
-    is_greedy = torch.tensor([p.is_greedy for p in params], device=device)  # [S]
     return torch.where(is_greedy, greedy, sampled)
 
 

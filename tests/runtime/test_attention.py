@@ -39,6 +39,15 @@ def test_build_computes_slots_positions_and_logits_indices() -> None:
     assert attn.chunks[1].mask is None  # no earlier context: plain causal
 
 
+def test_build_without_plain_tensors_keeps_what_the_fast_path_reads() -> None:
+    args = ([3, 1, 2], [7, 9, 2], [[5, 2], [9, 1, 0], [7]])
+    lean = AttentionMetadata.build(*args, block_size=4, device="cpu", plain_tensors=False)
+    assert lean.slot_mapping.tolist() == [8, 9, 10, 0, 28, 29]
+    assert lean.logits_indices.tolist() == [2, 3, 5]
+    assert lean.positions().tolist() == [4, 5, 6, 8, 0, 1]
+    assert lean.decode_rows is None and lean.decode_key_slots is None and lean.chunks == []
+
+
 def test_decode_padding_is_masked() -> None:
     attn = AttentionMetadata.build([1, 1], [2, 6], [[3], [4, 8]], block_size=4, device="cpu")
     assert attn.decode_key_slots is not None and attn.decode_key_mask is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -143,6 +144,12 @@ def test_fast_path_matches_reference() -> None:
         assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
     paths = core.runner.num_steps_by_path
     assert paths["graph"] > 0 and paths["fast"] > 0 and paths["plain"] == 0
+    log = list(core.step_log)  # one record per model step, in order
+    assert Counter(r.path for r in log) == paths
+    # every prompt row and every generated row but the last is computed exactly once (no preemption)
+    assert sum(r.num_rows for r in log) == sum(len(r.prompt_rows) + 5 - 1 for r in requests)
+    assert all(min(r.schedule_s, r.prepare_s, r.forward_s, r.sample_s, r.record_s) >= 0 for r in log)
+    assert [r.num_decode_seqs for r in log if r.path == "graph"] == [r.num_seqs for r in log if r.path == "graph"]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -319,15 +326,15 @@ def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpee
 
     async def main() -> tuple[list[Event], list[Event], int]:
         engine = Engine(model, Tokenizer.tiny(), engine_config())
-        execute = engine.core.runner.execute
+        forward = engine.core.runner.forward
         failures = [RuntimeError("boom")]
 
         def fail_once(inp: object) -> object:
             if failures:
                 raise failures.pop()
-            return execute(inp)  # type: ignore[arg-type]
+            return forward(inp)  # type: ignore[arg-type]
 
-        engine.core.runner.execute = fail_once  # type: ignore[method-assign]
+        engine.core.runner.forward = fail_once  # type: ignore[method-assign]
         failed = [e async for e in engine.generate(GenerationRequest("f", rows, GREEDY, GREEDY, max_new_tokens=3))]
         used = engine.stats().num_blocks_used
         again = GenerationRequest("g", rows, GREEDY, GREEDY, max_new_tokens=3, min_new_tokens=3)

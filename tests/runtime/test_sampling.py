@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from runtime import sampling
 from runtime.config import AUDIO_PAD_ID, ENDOFTEXT_ID, EOSP_ID, IM_END_ID, MODALITY_PAD_ID, SOSP_ID
 from runtime.sampling import (
     RequestSampler,
@@ -15,6 +16,7 @@ from runtime.sampling import (
     is_stop_row,
     sample_next_rows,
     sample_tokens,
+    splitmix64,
 )
 
 TEXT_VOCAB = 151680
@@ -369,3 +371,51 @@ def test_history_id_outside_vocab_is_rejected() -> None:
     s = sampler([(20, 1)], text=greedy_with_penalty(1.1))
     with pytest.raises(ValueError, match=r"text history holds ids outside \[0, 16\): \[20\]"):
         sample_next_rows(torch.zeros(1, SMALL_TEXT_VOCAB), torch.zeros(1, AUDIO_VOCAB), [s])
+
+
+# ---- the vectorised paths ------------------------------------------------------------------------------
+
+
+def test_splitmix64_reference_values() -> None:
+    # The first two outputs of SplitMix64 seeded with 0 (the generator's published test vector).
+    assert splitmix64(0) == 0xE220A8397B1DCDAF
+    assert splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
+
+
+@pytest.mark.parametrize("ties_past_k", [False, True])
+def test_topk_path_picks_the_same_ids_as_the_full_sort(monkeypatch: pytest.MonkeyPatch, ties_past_k: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(48, 3000, generator=gen) * 3  # [S, V]
+    logits[:, 7:10] = logits.max(dim=1, keepdim=True).values + 1  # a three-way tie at the top of every row
+    if ties_past_k:  # a fourth id tied with the 3rd value: top_k=3 keeps all four (the full sort's job)
+        logits[:24, 100] = logits[:24, 7]
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=20), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=1.0, top_k=3), greedy_with_penalty(1.0)] * 12
+    uniforms = torch.rand(48, generator=gen)
+    fast = sample_tokens(logits, params, uniforms)
+    monkeypatch.setattr(sampling, "TOPK_FAST_MAX", 0)  # every batch takes the full sort
+    full = sample_tokens(logits, params, uniforms)
+    assert fast.tolist() == full.tolist()
+    assert set(fast[3::4].tolist()) == {7}  # greedy rows: lowest id of the tie
+    top3 = fast[2::4].tolist()
+    assert set(top3) <= ({7, 8, 9, 100} if ties_past_k else {7, 8, 9})
+    assert (100 in top3[:6]) is ties_past_k  # rows 2..22 (every 4th) have the fourth tied id
+
+
+def test_audio_mode_rows_ignore_text_logits_in_mixed_batches() -> None:
+    text, audio = _random_logits(2)
+    text_params = SamplingParams(temperature=0.9, top_p=0.9, top_k=30, repetition_penalty=1.2)
+
+    def pair() -> list[RequestSampler]:
+        return [RequestSampler(AUDIO_PROMPT, text_params, SamplingParams(), min_new_tokens=NUM_STEPS, seed=1),
+                RequestSampler(TEXT_PROMPT, text_params, SamplingParams(), min_new_tokens=0, seed=2)]
+
+    alone = [[sample_next_rows(text[i, t : t + 1], audio[i, t : t + 1], [s])[0] for t in range(NUM_STEPS)]
+             for i, s in enumerate(pair())]
+    batched = pair()
+    garbage = text.clone()
+    garbage[0] = math.nan  # the audio-mode request's text logits are never read
+    rows = [sample_next_rows(garbage[:, t], audio[:, t], batched) for t in range(NUM_STEPS)]
+    assert [[r[i] for r in rows] for i in range(2)] == alone
+    assert {r[0] for r in alone[0]} == {MODALITY_PAD_ID}
+    assert batched[0].mode == "audio" and batched[1].mode == "text"

@@ -1,0 +1,215 @@
+"""The engine's serving loop alone: `EngineCore.step()` under a closed loop of speech requests.
+
+    python bench/engine_loop.py --preset tiny --device cpu --concurrency 1,8 --max-new-tokens 24
+    python bench/engine_loop.py --config config/serve-h200.yaml --preset full --random-weights \
+        --device cuda --concurrency 1,8,64,256 --prompt-tokens 512 --max-new-tokens 100
+
+No vocoder, no asyncio, no Ray: `concurrency` requests are kept in flight (a finished one is replaced at
+once) and the core is stepped on this thread, as the engine's step thread does. Per level it reports
+the time from a request's arrival to its first audio code, the interval between its codes, and where
+each step's wall time went (`runtime.engine.StepRecord`: schedule, prepare, forward launch, sample
+including the wait for the GPU, record), grouped by the model runner's path. In the same run, for every
+decode batch size seen, the bare forward (the bucket's graph replayed back to back) is timed as the
+floor the loop is measured against. `--sync` waits for the GPU after each forward launch, so
+`forward_s` holds the GPU time and `sample_s` only sampling (slower; for attribution).
+Prints ONE JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.engine import time_fn
+from bench.measure import percentiles, requests_per_level, speech_prompt_text
+from bench.pipeline import settings_from_config, speech_request
+from runtime.engine import EngineConfig, EngineCore, StepRecord
+from runtime.request import AudioCodes, Finished
+
+PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "record_s")
+
+
+def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
+    """The engine core from --config plus command-line overrides -> (core, engine kwargs)."""
+    kwargs, _ = settings_from_config(args.config)
+    kwargs["model"] = args.preset
+    overrides = {"device": args.device, "dtype": args.dtype, "max_num_running": args.max_num_running,
+                 "kv_cache_bytes": args.kv_cache_bytes, "max_num_batched_tokens": args.max_num_batched_tokens}
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    if args.fast_path is not None:
+        kwargs["fast_path"] = args.fast_path
+    if kwargs["model"] == "full" and not args.random_weights:
+        raise SystemExit("the 'full' preset has random weights: pass --random-weights to say you mean it")
+    return EngineCore.from_config(EngineConfig(**kwargs)), kwargs
+
+
+def sync_forward(core: EngineCore) -> None:
+    """Make the runner wait for the GPU after launching each forward (attribution mode)."""
+    launch = core.runner.forward
+    device = core.runner.device
+
+    def forward(inp: Any) -> Any:
+        logits = launch(inp)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return logits
+
+    core.runner.forward = forward  # type: ignore[method-assign]
+
+
+def run_level(core: EngineCore, make_request: Any, concurrency: int, num_requests: int) -> dict[str, Any]:
+    """Closed loop at `concurrency` until `num_requests` requests finished -> one level's summary."""
+    arrivals: dict[str, float] = {}
+    code_times: dict[str, list[float]] = defaultdict(list)
+    finished: dict[str, Finished] = {}
+    remaining = num_requests
+    core.step_log.clear()
+
+    def admit() -> None:
+        nonlocal remaining
+        while remaining and len(arrivals) - len(finished) < concurrency:
+            request = make_request()
+            core.add_request(request)
+            arrivals[request.request_id] = time.perf_counter()
+            remaining -= 1
+
+    started = time.perf_counter()
+    admit()
+    while core.has_work:
+        events = core.step()
+        now = time.perf_counter()
+        for rid, event in events:
+            if isinstance(event, AudioCodes):
+                code_times[rid].extend([now] * len(event.codes))
+            elif isinstance(event, Finished):
+                finished[rid] = event
+        admit()
+    wall_s = time.perf_counter() - started
+    steps = list(core.step_log)
+    bad = {rid: f.reason for rid, f in finished.items() if f.reason not in ("stop", "length")}
+    if bad or len(finished) != num_requests:
+        raise RuntimeError(f"requests did not finish cleanly: {bad or len(finished)}")
+    first = [code_times[rid][0] - arrivals[rid] for rid in arrivals if code_times[rid]]
+    intervals = [(t[-1] - t[0]) / (len(t) - 1) for t in code_times.values() if len(t) > 1]
+    num_codes = sum(len(t) for t in code_times.values())
+    return {
+        "concurrency": concurrency, "num_requests": num_requests, "wall_s": wall_s,
+        "codes_per_s": num_codes / wall_s, "audio_s_per_wall_s": num_codes * 0.08 / wall_s,
+        "num_codes_per_request": sorted({len(t) for t in code_times.values()}),
+        "num_prompt_tokens_seen": sorted({f.num_prompt_tokens for f in finished.values()}),
+        "first_code_s": percentiles(first),
+        "code_interval_s": percentiles(intervals),
+        "steps": summarize_steps(steps),
+        "decode_batch_sizes": sorted({r.num_seqs for r in steps if r.path == "graph"}),
+    }
+
+
+def summarize_steps(steps: list[StepRecord]) -> dict[str, Any]:
+    """Per runner path: step count, rows, and each phase's mean / p50 / max wall time in ms."""
+    out: dict[str, Any] = {}
+    for path in sorted({r.path for r in steps}):
+        group = [r for r in steps if r.path == path]
+        totals = percentiles([r.total_s * 1e3 for r in group])
+        entry: dict[str, Any] = {
+            "num_steps": len(group), "rows_mean": statistics.fmean(r.num_rows for r in group),
+            "seqs_mean": statistics.fmean(r.num_seqs for r in group),
+            "total_ms": {k: v for k, v in totals.items() if k != "count"},
+            "sum_s": sum(r.total_s for r in group),
+        }
+        for phase in PHASES:
+            values = [getattr(r, phase) * 1e3 for r in group]
+            entry[phase.removesuffix("_s") + "_ms"] = {"mean": statistics.fmean(values),
+                                                      "p50": statistics.median(values), "max": max(values)}
+        out[path] = entry
+    return out
+
+
+def time_bare_decode(core: EngineCore, batch_sizes: list[int], reps: int) -> dict[str, Any]:
+    """The forward alone, per decode batch bucket: graph replays back to back (the loop's floor)."""
+    runner = core.runner
+    graphs = runner.graphs
+    if graphs is None or not graphs.graphs:
+        return {}
+    graphs.slot_mapping.fill_(-1)  # store no K/V: the last step's slots may be in cached prefix blocks
+    out: dict[str, Any] = {}
+    for bucket in sorted({graphs.bucket_for(b) for b in batch_sizes}):
+        timing = time_fn(graphs.graphs[bucket].replay, runner.device, warmup=3, reps=reps)
+        out[str(bucket)] = {"median_ms": timing.median_ms, "p90_ms": timing.p90_ms}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="Serve YAML to take the engine settings from")
+    p.add_argument("--preset", choices=("tiny", "full"), default="tiny")
+    p.add_argument("--random-weights", action="store_true", help="required with --preset full")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-num-running", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--requests", default=None, help="requests per level: N or one per level (default 2 x c)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--sync", action="store_true", help="wait for the GPU after each forward launch")
+    p.add_argument("--bare-reps", type=int, default=20)
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every level, print one JSON line (and write --out); returns it."""
+    args = parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    counts = requests_per_level(levels, args.requests) if args.requests else [2 * c for c in levels]
+    built = time.perf_counter()
+    core, engine_kwargs = build_core(args)
+    if args.sync:
+        sync_forward(core)
+    device = core.runner.device
+    summary: dict[str, Any] = {
+        "benchmark": "engine_loop",
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
+        "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
+        "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
+                    "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "levels": [],
+    }
+    variants = itertools.count()
+
+    def make_request() -> Any:
+        text = speech_prompt_text(args.prompt_tokens, variant=next(variants))
+        return speech_request(core.tokenizer, text, max_new_tokens=args.max_new_tokens,
+                              min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
+
+    run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
+    for concurrency, count in zip(levels, counts, strict=True):
+        level = run_level(core, make_request, concurrency, count)
+        level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
+        summary["levels"].append(level)
+        if args.out:
+            Path(args.out).write_text(json.dumps(summary) + "\n")
+    line = json.dumps(summary)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
