@@ -242,8 +242,7 @@ def _tiny_tokenizer() -> Any:
 
 
 def _speech_prompt_rows(text: str) -> int:
-    from deployments.validation import READ_ALOUD_PROMPT
-    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
 
     messages = [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", text)]
     return len(build_prompt_rows(_tiny_tokenizer(), messages, output_modality="audio"))

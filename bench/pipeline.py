@@ -113,8 +113,7 @@ class Pipeline:
 def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                    temperature: float | None) -> Any:
     """A GenerationRequest with the ingress's read-aloud prompt (audio sampling at `temperature`)."""
-    from deployments.validation import READ_ALOUD_PROMPT
-    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
     from runtime.request import GenerationRequest
     from runtime.sampling import SamplingParams
 

@@ -12,10 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from deployments.errors import ApiError, bad_request
 from deployments.schemas import ChatCompletionRequest, SpeechRequest
-
-# What the model is told when asked to read text aloud (runtime.prompts builds the rows).
-READ_ALOUD_PROMPT = ("You are a text-to-speech voice. Read the user's message aloud exactly as written, "
-                     "without adding or leaving out any words.")
+from runtime.prompts import READ_ALOUD_PROMPT
 
 
 def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:

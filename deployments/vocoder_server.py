@@ -36,6 +36,7 @@ class VocoderServer:
         self._vocoder = StreamingVocoder.from_preset(kwargs.pop("preset"), **kwargs)
         if cuda_graphs:
             self._vocoder.use_cuda_graphs()
+        self._vocoder.close(self._vocoder.open("default", seed=0))  # keeps the most common priming
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
@@ -69,13 +70,22 @@ class VocoderServer:
     async def synthesize(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one utterance: see the module docstring for the events."""
         llm_stream = self._llm.generate.options(stream=True).remote(request)
+        # The vocoder session opens while the LLM prefills (the worker thread may be busy with a step).
+        opening = (asyncio.ensure_future(self._batcher.open(request["voice"], request.get("seed") or 0))
+                   if request["with_audio"] else None)
         try:
             first = await anext(llm_stream)
+        except asyncio.CancelledError:  # the caller went away during the prefill
+            llm_stream.cancel()
+            self._discard(opening)
+            raise
         except Exception as exc:  # noqa: BLE001 - reported to the ingress as an error event
             llm_stream.cancel()
+            self._discard(opening)
             yield error_event(exc)
             return
         if first["type"] == "error":
+            self._discard(opening)
             yield first
             return
         self._set_active(+1)
@@ -83,9 +93,9 @@ class VocoderServer:
         reader: asyncio.Task | None = None
         is_done = False  # True only when the utterance completed normally
         try:
-            if request["with_audio"]:
+            if opening is not None:
                 try:
-                    stream = await self._batcher.open(request["voice"], request.get("seed") or 0)
+                    stream = await opening
                 except Exception as exc:  # noqa: BLE001 - e.g. a voice file gone: an error event
                     yield error_event(exc)
                     return
@@ -117,6 +127,17 @@ class VocoderServer:
                 llm_stream.cancel()  # no-op when the LLM stream already ended
             if stream is not None and not stream.is_closed:
                 self._batcher.close(stream)
+
+    def _discard(self, opening: asyncio.Future | None) -> None:
+        """Close the session `opening` gives (now, or when it opens): its request ended first."""
+        if opening is None:
+            return
+
+        def close(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._batcher.close(done.result())
+
+        opening.add_done_callback(close)
 
     async def _read_llm(self, first: dict[str, Any], llm_stream: Any, stream: BatchedStream | None,
                         out: asyncio.Queue, finished: dict[str, Any]) -> None:

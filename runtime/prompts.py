@@ -37,6 +37,9 @@ from runtime.config import (
 )
 
 ROLES = ("system", "user", "assistant")
+# The system prompt of a read-aloud (text-to-speech) request, as the Serve ingress builds it.
+READ_ALOUD_PROMPT = ("You are a text-to-speech voice. Read the user's message aloud exactly as written, "
+                     "without adding or leaving out any words.")
 OutputModality = Literal["audio", "text"]
 _CONTROL_IDS = frozenset({IM_START_ID, IM_END_ID, ENDOFTEXT_ID, SOSP_ID, MODALITY_PAD_ID})
 

@@ -97,3 +97,13 @@ class FlowStatePool:
         for t, c in zip(self.tensors, stacked):
             k, _, ch, ctx = c.shape
             t[slots] = c.reshape(k, self.num_branches, b, ch, ctx).permute(2, 0, 1, 3, 4).to(t.dtype)
+
+    def snapshot(self, slot: int) -> list[torch.Tensor]:
+        """A copy of `slot`'s caches (every layer, every Euler step), for `restore`."""
+        return [t[slot].clone() for t in self.tensors]
+
+    def restore(self, slot: int, snapshot: list[torch.Tensor]) -> None:
+        """Overwrite `slot`'s caches with a `snapshot` (same shapes)."""
+        assert len(snapshot) == len(self.tensors)
+        for t, saved in zip(self.tensors, snapshot):
+            t[slot].copy_(saved)

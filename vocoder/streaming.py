@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
 
 _F = MEL_FRAMES_PER_CODE
 _EMPTY = np.zeros(0, dtype=np.float32)
+PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_many`
 
 
 class StreamingVocoder:
@@ -80,7 +82,10 @@ class StreamingVocoder:
             device=self.device,
             dtype=dtype,
         )
-        self._voice_mel: dict[str, torch.Tensor] = {}
+        self._voice_mel: dict[str, tuple[Voice, torch.Tensor]] = {}
+        # (voice name, seed) -> (voice, pool caches, flow_cursor, codes, codes_start) after priming, LRU order
+        self._primed: OrderedDict[tuple[str, int], tuple] = OrderedDict()
+        self.num_primed_hits = 0
         # Per-chunk tensor functions; `use_cuda_graphs` swaps in graph-replaying wrappers.
         self._encode = self.flow.encoder
         self._flow_step = self._solve_from_pool
@@ -178,7 +183,12 @@ class StreamingVocoder:
         return self.open_many([(voice, seed)])[0]
 
     def open_many(self, specs: Sequence[tuple[str, int]]) -> list[VocoderSession]:
-        """Batched `open` for (voice, seed) pairs (extension of the contract): one priming forward."""
+        """Batched `open` for (voice, seed) pairs (extension of the contract): one priming forward.
+
+        Priming (the flow over the voice's prompt codes) is a function of (voice, seed) alone, so its
+        result is kept for the last `PRIMED_CACHE_SIZE` pairs and copied into the next session of the same
+        pair instead of being computed again (`num_primed_hits` counts those).
+        """
         voices = [self.voices.get(name) for name, _ in specs]
         for _, seed in specs:
             check_seed(seed)
@@ -203,10 +213,33 @@ class StreamingVocoder:
                         emitted_frames=_F * p,
                     )
                 )
+            cold = [s for s in sessions if not self._restore_primed(s)]
             # Prime the flow over the prompt now, so later steps carry only new frames.
-            targets = [max(0, s.num_prompt_codes - LOOKAHEAD_CODES) for s in sessions]
-            self._advance_flow(sessions, targets)
+            self._advance_flow(cold, [max(0, s.num_prompt_codes - LOOKAHEAD_CODES) for s in cold])
+            for s in cold:
+                self._keep_primed(s)
         return sessions
+
+    def _restore_primed(self, s: VocoderSession) -> bool:
+        """Copy a kept priming of (voice, seed) into `s`; False when none is kept."""
+        entry = self._primed.get((s.voice.name, s.seed))
+        if entry is None or entry[0] is not s.voice:  # unknown, or the voice was reloaded since
+            return False
+        self._primed.move_to_end((s.voice.name, s.seed))
+        _, caches, flow_cursor, codes, codes_start = entry
+        self.pool.restore(s.slot, caches)
+        s.flow_cursor, s.codes, s.codes_start = flow_cursor, list(codes), codes_start
+        self.num_primed_hits += 1
+        return True
+
+    def _keep_primed(self, s: VocoderSession) -> None:
+        if PRIMED_CACHE_SIZE < 1:
+            return
+        key = (s.voice.name, s.seed)
+        self._primed[key] = (s.voice, self.pool.snapshot(s.slot), s.flow_cursor, tuple(s.codes), s.codes_start)
+        self._primed.move_to_end(key)
+        while len(self._primed) > PRIMED_CACHE_SIZE:
+            self._primed.popitem(last=False)
 
     def push(self, session: VocoderSession, codes: Sequence[int]) -> np.ndarray:
         """Add codes; return the PCM that became final (float32, may be empty)."""
@@ -281,14 +314,11 @@ class StreamingVocoder:
             seen.add(id(s))
 
     def _prompt_mel(self, voice: Voice) -> torch.Tensor:
-        if (
-            voice.name not in self._voice_mel
-            or self._voice_mel[voice.name].shape[1] != voice.prompt_mel.shape[0]
-        ):
-            self._voice_mel[voice.name] = voice.prompt_mel.T.contiguous().to(
-                self.device, torch.float32
-            )  # [80, 4P]
-        return self._voice_mel[voice.name]
+        kept = self._voice_mel.get(voice.name)
+        if kept is None or kept[0] is not voice:  # first use, or the voice was replaced under its name
+            kept = (voice, voice.prompt_mel.T.contiguous().to(self.device, torch.float32))  # [80, 4P]
+            self._voice_mel[voice.name] = kept
+        return kept[1]
 
     def _chunk_ends(self, s: VocoderSession, finishing: bool) -> list[int]:
         """Absolute frames at which the chunks this step computes end, in order (empty: nothing yet)."""

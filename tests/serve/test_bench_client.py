@@ -24,8 +24,7 @@ from bench.client import (
 )
 from bench.measure import PlaybackClock, speech_prompt_text, summarize
 from deployments.framing import wav_header
-from deployments.validation import READ_ALOUD_PROMPT
-from runtime.prompts import ChatMessage, build_prompt_rows
+from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
 from runtime.tokenizer import Tokenizer
 
 APP = {"application": serve_harness.APP_NAME}

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from deployments.errors import ApiError
-from deployments.validation import READ_ALOUD_PROMPT, Limits, chat_request, speech_request
+from deployments.validation import Limits, chat_request, speech_request
+from runtime.prompts import READ_ALOUD_PROMPT
 
 LIMITS = Limits(served_model_name="moss-speech", voices=["default", "warm"], max_input_chars=20,
                 max_new_tokens_limit=100, default_max_new_tokens=50)

@@ -210,3 +210,34 @@ def test_measured_context_keeps_streaming_exact(codes: list[int]) -> None:
     assert min(sizes) == 4  # first audio after 4 pushes of 2 codes (5 with the exact field of 16)
     pcm = np.concatenate(chunks)
     assert float(np.abs(pcm - fast.decode_whole("default", codes, seed=SEED)).max()) < TOLERANCE
+
+
+def test_primed_state_is_reused_for_the_same_voice_and_seed(
+    codes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vocoder import streaming
+    from vocoder.make_default_voice import make_voice
+
+    def run(v: StreamingVocoder, voice: str = "default", seed: int = SEED) -> np.ndarray:
+        session = v.open(voice, seed=seed)
+        return np.concatenate([v.push(session, codes[:7]), v.push(session, codes[7:]), v.finish(session)])
+
+    cold = run(StreamingVocoder.from_preset("tiny"))  # a fresh instance primes
+    vocoder = StreamingVocoder.from_preset("tiny")
+    first, again = run(vocoder), run(vocoder)
+    assert vocoder.num_primed_hits == 1
+    assert np.array_equal(first, cold) and np.array_equal(again, cold)
+    assert not np.array_equal(run(vocoder, seed=SEED + 1), cold)  # another seed primes anew
+    assert vocoder.num_primed_hits == 1
+    vocoder.voices.add(make_voice("other", seed=5))
+    before = run(vocoder, "other")
+    vocoder.voices.add(make_voice("other", seed=6))  # replaced under the same name: no stale priming
+    after = run(vocoder, "other")
+    assert vocoder.num_primed_hits == 1 and not np.array_equal(before, after)
+    fresh = StreamingVocoder.from_preset("tiny")
+    fresh.voices.add(make_voice("other", seed=6))
+    assert np.array_equal(after, run(fresh, "other"))
+    monkeypatch.setattr(streaming, "PRIMED_CACHE_SIZE", 2)
+    for seed in range(3):
+        run(vocoder, seed=seed)
+    assert list(vocoder._primed) == [("default", 1), ("default", 2)]  # least recently used goes first
