@@ -91,6 +91,8 @@ class StreamingVocoder:
         self._flow_step = self._solve_from_pool
         self._generate = self.generator
         self._graphed: list[GraphedFunction] = []
+        self._scratch_slot: int | None = None
+        self._code_buckets = sorted(set(config.stream.chunk_schedule_codes) | {2**i for i in range(13)})
         self._graph_pool_generation = self.pool.generation
 
     def _enable_triton_kernels(self, requested: bool | None) -> bool:
@@ -110,7 +112,7 @@ class StreamingVocoder:
                     module.use_triton = True
         return enabled
 
-    def use_cuda_graphs(self, *, max_graphs: int = 32) -> None:
+    def use_cuda_graphs(self, *, max_graphs: int = 96) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
 
         Worth it where shapes repeat (the first chunk of a stream, steady-state steps of a fixed schedule);
@@ -122,6 +124,8 @@ class StreamingVocoder:
             for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
         ]
         self._encode, self._flow_step, self._generate = self._graphed
+        if self._scratch_slot is None:  # where padding rows of a step read and write their caches
+            self._scratch_slot = self.pool.allocate()
         self._graph_pool_generation = self.pool.generation
 
     @property
@@ -266,7 +270,18 @@ class StreamingVocoder:
     @property
     def num_open_sessions(self) -> int:
         """Sessions opened and not yet finished or closed."""
-        return self.pool.num_used
+        return self.pool.num_used - (self._scratch_slot is not None)
+
+    def _bucket_rows(self, n: int) -> int:
+        """Batch rows a step runs with: n eagerly, the next power of two with CUDA graphs (few shapes)."""
+        return n if not self._graphed else 1 << (n - 1).bit_length()
+
+    def _bucket_codes(self, n: int) -> int:
+        """Codes (or code-length of frames) a step runs with: n eagerly; with CUDA graphs the smallest of
+        the chunk schedule's sizes and the powers of two that holds n."""
+        if not self._graphed:
+            return n
+        return next((b for b in self._code_buckets if b >= n), n)
 
     def step(self, work: list[tuple[VocoderSession, Sequence[int]]]) -> list[np.ndarray]:
         """Push codes to several sessions and run them as one batch; PCM per work item, in order."""
@@ -374,15 +389,17 @@ class StreamingVocoder:
             return
         starts = [max(s.codes_start, s.flow_cursor - self.history_codes) for s, _ in work]
         windows = [s.codes[w - s.codes_start :] for (s, _), w in zip(work, starts)]
-        n_max = max(len(w) for w in windows)
-        codes = torch.zeros(len(work), n_max, dtype=torch.long)
+        n_max = self._bucket_codes(max(len(w) for w in windows))
+        rows = self._bucket_rows(len(work))  # padding rows: code 0, all valid, output unused
+        codes = torch.zeros(rows, n_max, dtype=torch.long)
         for row, w in enumerate(windows):
             codes[row, : len(w)] = torch.tensor(w, dtype=torch.long)
-        num_valid = torch.tensor([len(w) for w in windows], device=self.device)
-        mu_all = self._encode(codes.to(self.device), num_valid)  # [B, 80, 4 * n_max]
+        lengths = [len(w) for w in windows] + [n_max] * (rows - len(work))
+        num_valid = torch.tensor(lengths, device=self.device)
+        mu_all = self._encode(codes.to(self.device), num_valid)[: len(work)]  # [B, 80, 4 * n_max]
 
         new_frames = [_F * (t - s.flow_cursor) for s, t in work]
-        t_max = max(new_frames)
+        t_max = _F * self._bucket_codes(max(new_frames) // _F)
         # Row b's new frames sit at mu_all[b, :, 4 * (cursor_b - start_b) + j]; padding rows repeat the last.
         offsets = torch.tensor(
             [_F * (s.flow_cursor - w) for (s, _), w in zip(work, starts)], device=self.device
@@ -403,6 +420,12 @@ class StreamingVocoder:
         if self._graphed and self.pool.generation != self._graph_pool_generation:
             self._graphed[1].reset()  # the pool grew: graphs read its old tensors
             self._graph_pool_generation = self.pool.generation
+        pad = self._bucket_rows(len(work)) - len(work)
+        if pad:  # rows of zeros on the scratch slot, so the batch keeps a captured shape
+            mu, cond, noise = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (mu, cond, noise))
+            speaker = torch.cat([speaker, speaker.new_zeros(pad, speaker.shape[1])])
+            slots = torch.cat([slots, slots.new_full((pad,), self._scratch_slot)])
+            valid = torch.cat([valid, valid.new_full((pad,), t_max)])
         mel, stacked = self._flow_step(mu, speaker, cond, noise, slots, valid)  # mel [B, 80, T]
         self.pool.write_steps(slots, stacked)
 
@@ -453,7 +476,8 @@ class StreamingVocoder:
         pcm: list[np.ndarray] = [_EMPTY] * len(rows)
         for batch in batches:
             t_max = max(rows[r][4] - rows[r][3] for r in batch)
-            mel = torch.zeros(len(batch), sessions[0].mel.shape[0], t_max, device=self.device)  # [B, 80, T]
+            size = self._bucket_rows(len(batch))  # rows past the batch are silence, dropped
+            mel = torch.zeros(size, sessions[0].mel.shape[0], t_max, device=self.device)  # [B, 80, T]
             for row, r in enumerate(batch):
                 s, (_, _, _, start, stop) = sessions[rows[r][0]], rows[r]
                 mel[row, :, t_max - (stop - start) :] = s.mel[:, start - s.mel_start : stop - s.mel_start]

@@ -181,3 +181,24 @@ def test_graphed_function_captures_on_second_use_and_caps_graphs() -> None:
     assert (fn.num_graphs, fn.num_eager_calls) == (1, 3)
     fn.reset()
     assert fn.num_graphs == 0
+
+
+def test_graph_path_pads_steps_to_few_shapes(codes: list[int]) -> None:
+    # With graphs a step runs 2^k rows (padding rows on a scratch slot) and a bucketed number of frames;
+    # the audio of the real rows is the eager, unpadded audio.
+    def run(voc: StreamingVocoder) -> list[np.ndarray]:
+        sessions = [voc.open("default", seed=SEED + i) for i in range(3)]
+        out = voc.step([(sessions[0], codes[:7]), (sessions[1], codes[:3]), (sessions[2], codes[:11])])
+        out2 = voc.step([(s, codes[11:17]) for s in sessions])
+        tails = voc.finish_many(sessions)
+        return [np.concatenate(parts) for parts in zip(out, out2, tails, strict=True)]
+
+    eager = run(StreamingVocoder.from_preset("tiny"))
+    graphed_voc = StreamingVocoder.from_preset("tiny")
+    graphed_voc.use_cuda_graphs()
+    graphed = run(graphed_voc)
+    for a, b in zip(graphed, eager, strict=True):
+        assert len(a) == len(b) and float(np.abs(a - b).max()) < SAME
+    flow_rows = {sig[0][0][0] for sig in graphed_voc._graphed[1]._seen}  # mu's batch size per signature
+    assert flow_rows <= {1, 2, 4} and 4 in flow_rows
+    assert graphed_voc.num_open_sessions == 0
