@@ -25,6 +25,7 @@ from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
 _F = MEL_FRAMES_PER_CODE
 _EMPTY = np.zeros(0, dtype=np.float32)
 PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_many`
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)  # batch rows with CUDA graphs
 
 
 class StreamingVocoder:
@@ -112,7 +113,7 @@ class StreamingVocoder:
                     module.use_triton = True
         return enabled
 
-    def use_cuda_graphs(self, *, max_graphs: int = 96) -> None:
+    def use_cuda_graphs(self, *, max_graphs: int = 128) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
 
         Worth it where shapes repeat (the first chunk of a stream, steady-state steps of a fixed schedule);
@@ -273,8 +274,11 @@ class StreamingVocoder:
         return self.pool.num_used - (self._scratch_slot is not None)
 
     def _bucket_rows(self, n: int) -> int:
-        """Batch rows a step runs with: n eagerly, the next power of two with CUDA graphs (few shapes)."""
-        return n if not self._graphed else 1 << (n - 1).bit_length()
+        """Batch rows a step runs with: n eagerly; with CUDA graphs the smallest of ROW_BUCKETS (then
+        multiples of 64) that holds n, so few shapes are captured and padding stays under a third."""
+        if not self._graphed:
+            return n
+        return next((b for b in ROW_BUCKETS if b >= n), -(-n // 64) * 64)
 
     def _bucket_codes(self, n: int) -> int:
         """Codes (or code-length of frames) a step runs with: n eagerly; with CUDA graphs the smallest of

@@ -184,7 +184,7 @@ def test_graphed_function_captures_on_second_use_and_caps_graphs() -> None:
 
 
 def test_graph_path_pads_steps_to_few_shapes(codes: list[int]) -> None:
-    # With graphs a step runs 2^k rows (padding rows on a scratch slot) and a bucketed number of frames;
+    # With graphs a step runs a bucketed number of rows (padding rows on a scratch slot) and of frames;
     # the audio of the real rows is the eager, unpadded audio.
     def run(voc: StreamingVocoder) -> list[np.ndarray]:
         sessions = [voc.open("default", seed=SEED + i) for i in range(3)]
