@@ -25,7 +25,7 @@ from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
 _F = MEL_FRAMES_PER_CODE
 _EMPTY = np.zeros(0, dtype=np.float32)
 PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_many`
-ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)  # batch rows with CUDA graphs
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)  # rows with bucket_shapes
 
 
 class StreamingVocoder:
@@ -93,6 +93,7 @@ class StreamingVocoder:
         self._generate = self.generator
         self._graphed: list[GraphedFunction] = []
         self._scratch_slot: int | None = None
+        self._bucket_shapes = False
         self._code_buckets = sorted(set(config.stream.chunk_schedule_codes) | {2**i for i in range(13)})
         self._graph_pool_generation = self.pool.generation
 
@@ -113,11 +114,14 @@ class StreamingVocoder:
                     module.use_triton = True
         return enabled
 
-    def use_cuda_graphs(self, *, max_graphs: int = 128) -> None:
+    def use_cuda_graphs(self, *, max_graphs: int = 32, bucket_shapes: bool = False) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
 
         Worth it where shapes repeat (the first chunk of a stream, steady-state steps of a fixed schedule);
         shapes seen once stay eager. On CPU the same static-buffer path runs without graphs (tests).
+        `bucket_shapes` pads every step to ROW_BUCKETS rows and bucketed code counts, so fewer shapes are
+        captured at the cost of padding (measured on the H200 in bench/results/e2e-h200-bucketed/: no
+        clear gain, so it is off by default).
         """
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._graphed = [
@@ -125,7 +129,8 @@ class StreamingVocoder:
             for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
         ]
         self._encode, self._flow_step, self._generate = self._graphed
-        if self._scratch_slot is None:  # where padding rows of a step read and write their caches
+        self._bucket_shapes = bucket_shapes
+        if bucket_shapes and self._scratch_slot is None:  # padding rows read and write their caches here
             self._scratch_slot = self.pool.allocate()
         self._graph_pool_generation = self.pool.generation
 
@@ -274,16 +279,16 @@ class StreamingVocoder:
         return self.pool.num_used - (self._scratch_slot is not None)
 
     def _bucket_rows(self, n: int) -> int:
-        """Batch rows a step runs with: n eagerly; with CUDA graphs the smallest of ROW_BUCKETS (then
+        """Batch rows a step runs with: n; with `bucket_shapes` the smallest of ROW_BUCKETS (then
         multiples of 64) that holds n, so few shapes are captured and padding stays under a third."""
-        if not self._graphed:
+        if not self._bucket_shapes:
             return n
         return next((b for b in ROW_BUCKETS if b >= n), -(-n // 64) * 64)
 
     def _bucket_codes(self, n: int) -> int:
-        """Codes (or code-length of frames) a step runs with: n eagerly; with CUDA graphs the smallest of
+        """Codes (or code-length of frames) a step runs with: n; with `bucket_shapes` the smallest of
         the chunk schedule's sizes and the powers of two that holds n."""
-        if not self._graphed:
+        if not self._bucket_shapes:
             return n
         return next((b for b in self._code_buckets if b >= n), n)
 
