@@ -242,10 +242,9 @@ def _tiny_tokenizer() -> Any:
 
 
 def _speech_prompt_rows(text: str) -> int:
-    from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
+    from runtime.prompts import read_aloud_rows
 
-    messages = [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", text)]
-    return len(build_prompt_rows(_tiny_tokenizer(), messages, output_modality="audio"))
+    return len(read_aloud_rows(_tiny_tokenizer(), text))
 
 
 def plot_levels(levels: Sequence[dict[str, Any]], path: str, *, x_key: str = "concurrency",

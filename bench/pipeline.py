@@ -113,12 +113,11 @@ class Pipeline:
 def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                    temperature: float | None) -> Any:
     """A GenerationRequest with the ingress's read-aloud prompt (audio sampling at `temperature`)."""
-    from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
+    from runtime.prompts import read_aloud_rows
     from runtime.request import GenerationRequest
     from runtime.sampling import SamplingParams
 
-    rows = build_prompt_rows(tokenizer, [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", text)],
-                             output_modality="audio")
+    rows = read_aloud_rows(tokenizer, text)
     audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
     return GenerationRequest(request_id=f"bench-{next(_ids)}", prompt_rows=tuple(rows), audio_sampling=audio,
                              max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, seed=seed)

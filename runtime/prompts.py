@@ -132,6 +132,13 @@ def build_prompt_rows(
     return rows
 
 
+def read_aloud_rows(tokenizer: TextEncoder, text: str) -> list[Row]:
+    """Rows of a read-aloud request without instructions: READ_ALOUD_PROMPT as system turn, `text` as user
+    turn, audio output (what the ingress builds for /v1/audio/speech)."""
+    messages = [ChatMessage("system", READ_ALOUD_PROMPT), ChatMessage("user", text)]
+    return build_prompt_rows(tokenizer, messages, output_modality="audio")
+
+
 def _encode(tokenizer: TextEncoder, text: str, index: int) -> list[int]:
     """Encode one turn's text, refusing control tokens inside it."""
     ids = tokenizer.encode(text)
