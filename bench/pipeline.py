@@ -133,14 +133,15 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
         args = yaml.safe_load(f)["applications"][0].get("args", {})
     vocoder = {k.removeprefix("vocoder_"): v for k, v in args.items()
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
-                        "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels")}
+                        "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
+                        "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions")}
     return dict(args.get("engine", {})), vocoder
 
 
 def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     """Engine + vocoder from the config file, then the command-line overrides -> (pipeline, settings)."""
     from runtime.engine import Engine, EngineConfig
-    from vocoder import StreamingVocoder
+    from vocoder.streaming import build_for_serving
 
     engine_kwargs, vocoder_kwargs = settings_from_config(args.config)
     if args.checkpoint:
@@ -162,13 +163,9 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
-    vocoder = StreamingVocoder.from_preset(vocoder_kwargs["preset"], device=vocoder_kwargs["device"],
-                                           dtype=vocoder_kwargs.get("dtype"), seed=vocoder_kwargs.get("seed", 0),
-                                           triton_kernels=vocoder_kwargs.get("triton_kernels"))
-    if vocoder_kwargs.get("cuda_graphs"):
-        vocoder.use_cuda_graphs()  # as deployments/vocoder_server.py does with vocoder_cuda_graphs
+    vocoder, warm = build_for_serving(**vocoder_kwargs)  # as deployments/vocoder_server.py builds it
     settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch},
-                "build_s": time.perf_counter() - loaded}
+                "vocoder_warm_up": warm, "build_s": time.perf_counter() - loaded}
     return Pipeline(engine, vocoder, max_batch), settings
 
 

@@ -75,7 +75,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     ingress = serve.deployment(Ingress).options(name="Ingress", **_deployment_kwargs(args.ingress_options))
     vocoder_kwargs = {"preset": args.vocoder_preset, "device": args.vocoder_device,
                       "dtype": args.vocoder_dtype, "seed": args.vocoder_seed,
-                      "cuda_graphs": args.vocoder_cuda_graphs,
+                      "cuda_graphs": args.vocoder_cuda_graphs, "bucket_shapes": args.vocoder_bucket_shapes,
+                      "warmup_rows": args.vocoder_warmup_rows,
+                      "reserved_sessions": args.vocoder_reserved_sessions,
                       "triton_kernels": args.vocoder_triton_kernels}
     llm_app = llm.bind(dict(args.engine))
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app)

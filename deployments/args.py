@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Serve deployment options accepted under `llm_options` / `vocoder_options` / `ingress_options`.
 # `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`; the rest are `@serve.deployment` kwargs.
@@ -51,6 +51,15 @@ class AppArgs(BaseModel):
     vocoder_seed: int = 0
     # Replay CUDA graphs of the vocoder's per-chunk stages (StreamingVocoder.use_cuda_graphs); cuda only.
     vocoder_cuda_graphs: bool = False
+    # Pad vocoder steps to bucketed rows / codes / windows (StreamingVocoder.use_cuda_graphs(bucket_shapes)),
+    # so the set of graphs to capture is bounded and a warm-up can capture it before traffic.
+    vocoder_bucket_shapes: bool = False
+    # Row counts whose steps StreamingVocoder.warm_up captures when the replica starts (cuda graphs on);
+    # with bucket_shapes give row buckets (vocoder.streaming.ROW_BUCKETS). Empty: no warm-up.
+    vocoder_warmup_rows: list[int] = Field(default_factory=list)
+    # Open sessions whose flow state is allocated at start (StreamingVocoder.reserve_sessions; ~0.66 MB
+    # each for `full` in bf16). Past it the state pool doubles, which drops the captured flow graphs.
+    vocoder_reserved_sessions: int = Field(default=0, ge=0)
     # The vocoder's Triton kernels (fused BigVGAN activation, chunk attention; vocoder/kernels/).
     # None: on wherever CUDA and Triton are present; false forces the bigvgan package's modules and SDPA.
     vocoder_triton_kernels: bool | None = None
@@ -80,6 +89,19 @@ class AppArgs(BaseModel):
     @classmethod
     def _validate_options(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _check_options(value)
+
+    @field_validator("vocoder_warmup_rows")
+    @classmethod
+    def _validate_warmup_rows(cls, value: list[int]) -> list[int]:
+        if any(r < 1 for r in value):
+            raise ValueError(f"vocoder_warmup_rows must all be >= 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_vocoder_graph_options(self) -> AppArgs:
+        if (self.vocoder_bucket_shapes or self.vocoder_warmup_rows) and not self.vocoder_cuda_graphs:
+            raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
+        return self
 
     @field_validator("engine")
     @classmethod

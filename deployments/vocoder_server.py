@@ -28,15 +28,14 @@ class VocoderServer:
     """One StreamingVocoder per replica, plus a handle to the LLM deployment."""
 
     async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any) -> None:
-        from vocoder import StreamingVocoder
         from vocoder.config import SAMPLE_RATE
+        from vocoder.streaming import build_for_serving
 
         kwargs = dict(vocoder_kwargs)
-        cuda_graphs = bool(kwargs.pop("cuda_graphs", False))
-        self._vocoder = StreamingVocoder.from_preset(kwargs.pop("preset"), **kwargs)
-        if cuda_graphs:
-            self._vocoder.use_cuda_graphs()
-        self._vocoder.close(self._vocoder.open("default", seed=0))  # keeps the most common priming
+        self._vocoder, warm = build_for_serving(kwargs.pop("preset"), **kwargs)
+        if warm:
+            logger.info("vocoder warm-up: %d graphs captured in %.1f s (%d steps)",
+                        warm["graphs_captured"], warm["seconds"], warm["steps"])
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)

@@ -52,17 +52,25 @@ class FlowStatePool:
         """Slots held by sessions."""
         return self.capacity - len(self.free_slots)
 
+    def reserve(self, capacity: int) -> None:
+        """Grow to at least `capacity` slots now, so no later `allocate` has to (which would drop every
+        captured graph that reads the pool)."""
+        if capacity > self.capacity:
+            self._grow(capacity)
+
+    def _grow(self, new: int) -> None:
+        old = self.capacity
+        self.tensors = [
+            torch.cat([t, self._zeros(new - old, c, ctx)]) for t, (c, ctx) in zip(self.tensors, self.shapes)
+        ]
+        # lowest free slot first: pop() takes from the end
+        self.free_slots = sorted(self.free_slots + list(range(old, new)), reverse=True)
+        self.generation += 1
+
     def allocate(self) -> int:
         """A zeroed slot; doubles the pool when full."""
         if not self.free_slots:
-            old = self.capacity
-            new = max(1, 2 * old)
-            self.tensors = [
-                torch.cat([t, self._zeros(new - old, c, ctx)])
-                for t, (c, ctx) in zip(self.tensors, self.shapes)
-            ]
-            self.free_slots = list(range(new - 1, old - 1, -1))
-            self.generation += 1
+            self._grow(max(1, 2 * self.capacity))
         slot = self.free_slots.pop()
         for t in self.tensors:
             t[slot].zero_()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -11,7 +13,7 @@ import torch
 
 from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
-from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, VocoderConfig
+from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, VocoderConfig
 from vocoder.flow import FlowDecoder
 from vocoder.flow_layers import ChunkTransformer
 from vocoder.graphs import GraphedFunction
@@ -25,7 +27,7 @@ from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
 _F = MEL_FRAMES_PER_CODE
 _EMPTY = np.zeros(0, dtype=np.float32)
 PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_many`
-ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)  # rows with bucket_shapes
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows with bucket_shapes
 
 
 class StreamingVocoder:
@@ -95,6 +97,13 @@ class StreamingVocoder:
         self._scratch_slot: int | None = None
         self._bucket_shapes = False
         self._code_buckets = sorted(set(config.stream.chunk_schedule_codes) | {2**i for i in range(13)})
+        base, schedule = self.left_context + self.right_context, config.stream.chunk_schedule_codes
+        # windows of scheduled chunks: the first holds nothing back, later ones re-vocode the held overlap
+        self._window_buckets = sorted(
+            {base + _F * schedule[0]}
+            | {base + self._overlap_frames + _F * k for k in schedule[1:]}
+            | {2**i for i in range(16)}
+        )
         self._graph_pool_generation = self.pool.generation
 
     def _enable_triton_kernels(self, requested: bool | None) -> bool:
@@ -114,15 +123,17 @@ class StreamingVocoder:
                     module.use_triton = True
         return enabled
 
-    def use_cuda_graphs(self, *, max_graphs: int = 32, bucket_shapes: bool = False) -> None:
+    def use_cuda_graphs(self, *, max_graphs: int | None = None, bucket_shapes: bool = False) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
 
         Worth it where shapes repeat (the first chunk of a stream, steady-state steps of a fixed schedule);
         shapes seen once stay eager. On CPU the same static-buffer path runs without graphs (tests).
         `bucket_shapes` pads every step to ROW_BUCKETS rows and bucketed code counts, so fewer shapes are
-        captured at the cost of padding (measured on the H200 in bench/results/e2e-h200-bucketed/: no
-        clear gain, so it is off by default).
+        captured at the cost of padding; with `warm_up` it bounds what must be captured before traffic.
+        max_graphs (per function) None: 128 with bucket_shapes (a bounded set), else 32.
         """
+        if max_graphs is None:
+            max_graphs = 128 if bucket_shapes else 32
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._graphed = [
             GraphedFunction(fn, max_graphs=max_graphs, pool=pool)
@@ -133,6 +144,66 @@ class StreamingVocoder:
         if bucket_shapes and self._scratch_slot is None:  # padding rows read and write their caches here
             self._scratch_slot = self.pool.allocate()
         self._graph_pool_generation = self.pool.generation
+
+    def reserve_sessions(self, num_sessions: int) -> None:
+        """Allocate flow state for `num_sessions` open sessions now. The state pool otherwise doubles when
+        full, and each growth drops the captured flow graphs (they read the pool's tensors), which are
+        then captured again under load."""
+        self.pool.reserve(num_sessions + (self._scratch_slot is not None))
+
+    def warm_up(
+        self, rows: Sequence[int], *, voice: str = "default", seed: int = 0, push_sizes: Sequence[int] = (1,)
+    ) -> dict[str, float]:
+        """Capture, before any traffic, the graphs of the steps that `r` streams in lockstep take through
+        the chunk schedule, for every r in `rows` (with `bucket_shapes`, give the ROW_BUCKETS to cover).
+
+        Warm-up streams open, take their codes in pushes of each size in `push_sizes` (1: the codes arrive
+        one per step, as when the vocoder keeps up) and finish; shapes are captured on their first
+        sighting here. One length runs the whole schedule and its repeating last chunk; the others end
+        so that the tail a finish computes takes every (bucketed) size it can take. Needs
+        `use_cuda_graphs()`. Returns the graphs captured, the steps run and the seconds it took.
+        """
+        if not self._graphed:
+            raise RuntimeError("warm_up captures graphs: call use_cuda_graphs() first")
+        if not rows or min(rows) < 1 or not push_sizes or min(push_sizes) < 1:
+            raise ValueError(f"rows and push_sizes must be non-empty and >= 1, got {rows}, {push_sizes}")
+        schedule = self.config.stream.chunk_schedule_codes
+        # A finish integrates and vocodes the n codes after the last chunk's end (the lookahead plus up to
+        # a chunk - 1): one tail per distinct (flow shape, BigVGAN window) that n gives.
+        last_tail = LOOKAHEAD_CODES + schedule[-1] - 1
+        tails: dict[tuple[int, int], int] = {}
+        for n in range(LOOKAHEAD_CODES, last_tail + 1):
+            window = self.left_context + self.right_context + self._overlap_frames + _F * n
+            tails.setdefault((self._bucket_codes(n), self._bucket_window(window)), n)
+        full_run = sum(schedule) + schedule[-1] + LOOKAHEAD_CODES  # its tail is the lookahead alone
+        lengths = [full_run] + [sum(schedule) + n for n in sorted(tails.values()) if n != LOOKAHEAD_CODES]
+        codes = [(7919 * i + 13) % NUM_AUDIO_CODES for i in range(max(lengths))]  # shapes ignore the values
+        self.reserve_sessions(self.num_open_sessions + max(rows))
+        graphs_before, t0, steps = self.graph_stats["num_graphs"], time.perf_counter(), 0
+        saved = [g.capture_after_calls for g in self._graphed]
+        for g in self._graphed:
+            g.capture_after_calls = 1
+        try:
+            for r, size, num_codes in itertools.product(sorted(set(rows)), push_sizes, lengths):
+                sessions = [self.open(voice, seed=seed) for _ in range(r)]
+                try:
+                    for i in range(0, num_codes, size):
+                        self.step([(s, codes[i : i + size]) for s in sessions])
+                        steps += 1
+                    self.finish_many(sessions)
+                finally:
+                    for s in sessions:
+                        self.close(s)
+        finally:
+            for g, n in zip(self._graphed, saved):
+                g.capture_after_calls = n
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {
+            "graphs_captured": self.graph_stats["num_graphs"] - graphs_before,
+            "steps": steps,
+            "seconds": time.perf_counter() - t0,
+        }
 
     @property
     def graph_stats(self) -> dict[str, int]:
@@ -291,6 +362,14 @@ class StreamingVocoder:
         if not self._bucket_shapes:
             return n
         return next((b for b in self._code_buckets if b >= n), n)
+
+    def _bucket_window(self, frames: int) -> int:
+        """BigVGAN window (frames) of a batch of fully left-padded rows: `frames`; with `bucket_shapes`
+        the smallest window of a scheduled chunk (with and without a held overlap) or power of two that
+        holds it, so stream tails of any length reuse the graphs of scheduled chunks."""
+        if not self._bucket_shapes:
+            return frames
+        return next((w for w in self._window_buckets if w >= frames), frames)
 
     def step(self, work: list[tuple[VocoderSession, Sequence[int]]]) -> list[np.ndarray]:
         """Push codes to several sessions and run them as one batch; PCM per work item, in order."""
@@ -485,6 +564,8 @@ class StreamingVocoder:
         pcm: list[np.ndarray] = [_EMPTY] * len(rows)
         for batch in batches:
             t_max = max(rows[r][4] - rows[r][3] for r in batch)
+            if free and batch is batches[0]:  # left padding is free here: round up to a known window
+                t_max = self._bucket_window(t_max)
             size = self._bucket_rows(len(batch))  # rows past the batch are silence, dropped
             mel = torch.zeros(size, sessions[0].mel.shape[0], t_max, device=self.device)  # [B, 80, T]
             for row, r in enumerate(batch):
@@ -511,6 +592,31 @@ class StreamingVocoder:
             s.mel = s.mel[:, keep_from - s.mel_start :]
             s.mel_start = keep_from
         return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
+
+
+def build_for_serving(
+    preset: str,
+    *,
+    cuda_graphs: bool = False,
+    bucket_shapes: bool = False,
+    reserved_sessions: int = 0,
+    warmup_rows: Sequence[int] = (),
+    **from_preset: object,
+) -> tuple[StreamingVocoder, dict[str, float]]:
+    """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
+
+    `from_preset` kwargs build it; then CUDA graphs (optionally with bucketed shapes), flow state for
+    `reserved_sessions`, the default voice's priming (seed 0), and a `warm_up` over `warmup_rows`.
+    Returns the vocoder and the warm-up's figures (empty without one).
+    """
+    if (bucket_shapes or warmup_rows) and not cuda_graphs:
+        raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
+    voc = StreamingVocoder.from_preset(preset, **from_preset)  # type: ignore[arg-type]
+    if cuda_graphs:
+        voc.use_cuda_graphs(bucket_shapes=bucket_shapes)
+    voc.reserve_sessions(reserved_sessions)
+    voc.close(voc.open("default", seed=0))  # keeps the most common priming
+    return voc, (voc.warm_up(warmup_rows) if warmup_rows else {})
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

@@ -142,6 +142,13 @@ def test_state_pool_grows_and_keeps_slots() -> None:
     assert torch.equal(pool.read(torch.tensor([b]), 1)[0], torch.zeros(2, 3, 2))
     pool.release(a)
     assert pool.allocate() == a and float(pool.read(slots, 1)[0].abs().sum()) == 0.0  # re-zeroed
+    assert pool.generation == 1
+    pool.reserve(5)  # grows once to exactly 5, keeping every slot's contents and which are in use
+    pool.write(torch.tensor([b]), 0, [torch.full((2, 3, 2), 3.0), torch.zeros(2, 5, 1)])
+    pool.reserve(5)
+    assert (pool.capacity, pool.generation, pool.num_used) == (5, 2, 2)
+    assert torch.equal(pool.read(torch.tensor([b]), 0)[0], torch.full((2, 3, 2), 3.0))
+    assert [pool.allocate() for _ in range(3)] == [2, 3, 4] and pool.generation == 2
 
 
 def test_flow_streaming_equals_whole_at_mel_level() -> None:

@@ -202,3 +202,72 @@ def test_graph_path_pads_steps_to_few_shapes(codes: list[int]) -> None:
     flow_rows = {sig[0][0][0] for sig in graphed_voc._graphed[1]._seen}  # mu's batch size per signature
     assert flow_rows <= {1, 2, 4} and 4 in flow_rows
     assert graphed_voc.num_open_sessions == 0
+
+
+def test_warm_up_captures_every_shape_of_later_staggered_streams(codes: list[int]) -> None:
+    # After warm_up over the row buckets 1, 2, 4 (bucket_shapes), three streams of different lengths
+    # that start at different steps and finish apart run on captured shapes only: no eager call, no new
+    # capture, no growth of the state pool; their audio is the eager vocoder's.
+    voc = StreamingVocoder.from_preset("tiny")
+    voc.use_cuda_graphs(bucket_shapes=True)
+    voc.reserve_sessions(16)
+    stats = voc.warm_up([1, 2, 4])
+    assert stats["graphs_captured"] == voc.graph_stats["num_graphs"] > 0
+    # Per row count, one code per step: the whole schedule plus a repeat of its last chunk (2+3+5+10+25
+    # +25+3 = 73 codes, tail 3), and streams of 45 + n codes for the tails n = 4, 5, 6, 9, 11, 12, 17, 26
+    # (the first n of each distinct (bucketed flow codes, BigVGAN window) pair; tiny: window 20 + 4n).
+    assert stats["steps"] == 3 * (73 + sum(45 + n for n in (4, 5, 6, 9, 11, 12, 17, 26)))
+    assert voc.num_open_sessions == 0 and voc.pool.capacity == 16 + 1  # + the padding rows' scratch slot
+    before, generation = voc.graph_stats, voc.pool.generation
+
+    def run(v: StreamingVocoder) -> list[np.ndarray]:
+        starts, lengths = [0, 3, 9], [NUM_CODES, 17, 21]
+        sessions: dict[int, object] = {}
+        out: dict[int, list[np.ndarray]] = {i: [] for i in range(3)}
+        for t in range(40):
+            work = []
+            for i in range(3):
+                if t == starts[i]:
+                    sessions[i] = v.open("default", seed=SEED + i)
+                k = t - starts[i]
+                if i in sessions and 0 <= k < lengths[i]:
+                    work.append((i, codes[k : k + 1]))
+            if work:
+                for (i, _), pcm in zip(work, v.step([(sessions[i], c) for i, c in work]), strict=True):
+                    out[i].append(pcm)
+            done = [i for i in range(3) if i in sessions and t - starts[i] == lengths[i]]
+            for i, tail in zip(done, v.finish_many([sessions[i] for i in done]), strict=True):
+                out[i].append(tail)
+        return [np.concatenate(out[i]) for i in range(3)]
+
+    graphed = run(voc)
+    eager = run(StreamingVocoder.from_preset("tiny"))
+    for a, b, n in zip(graphed, eager, [NUM_CODES, 17, 21], strict=True):
+        assert len(a) == len(b) == n * SAMPLES_PER_CODE and float(np.abs(a - b).max()) < SAME
+    after = voc.graph_stats
+    assert after["num_graphs"] == before["num_graphs"] and after["num_eager_calls"] == before["num_eager_calls"]
+    assert after["num_replays"] > before["num_replays"] and voc.pool.generation == generation
+
+
+def test_warm_up_needs_graphs_and_valid_rows() -> None:
+    voc = StreamingVocoder.from_preset("tiny")
+    with pytest.raises(RuntimeError, match="use_cuda_graphs"):
+        voc.warm_up([1])
+    voc.use_cuda_graphs()
+    with pytest.raises(ValueError, match="rows"):
+        voc.warm_up([0, 2])
+    assert voc.graph_stats["num_graphs"] == 0
+
+
+def test_build_for_serving_wires_graphs_reserve_priming_and_warm_up() -> None:
+    from vocoder.streaming import build_for_serving
+
+    voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=8,
+                                  warmup_rows=[1])
+    assert voc.pool.capacity == 8 + 1 and voc.num_open_sessions == 0
+    assert warm["graphs_captured"] == voc.graph_stats["num_graphs"] > 0 and warm["steps"] == 523
+    assert list(voc._primed) == [("default", 0)]  # the default voice's priming is kept
+    plain, nothing = build_for_serving("tiny")
+    assert nothing == {} and plain.graph_stats["num_graphs"] == 0 and plain.pool.capacity == 8
+    with pytest.raises(ValueError, match="need cuda_graphs"):
+        build_for_serving("tiny", warmup_rows=[1])
