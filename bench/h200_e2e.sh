@@ -11,7 +11,8 @@
 # On the GPU machine Ray comes from the wheels of ../shared/tools/device-ray-wheels.sh: if `import ray`
 # fails and /tmp/rayparts holds the parts, this script assembles and installs them into /tmp/site.
 # Knobs (environment): OUT, CONFIG, BUDGET_S (total seconds, default 470), MAX_NEW_TOKENS, PROMPT_TOKENS,
-# LEVELS, REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON.
+# LEVELS, REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON, PHASES (default serve,pipeline: which parts run;
+# one per device call when each needs most of the call, e.g. with the vocoder warm-up of serve-h200.yaml).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -19,6 +20,7 @@ MODE=gpu
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/h200_e2e_out}
+PHASES=${PHASES:-serve,pipeline}
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
@@ -29,7 +31,7 @@ if [ "$MODE" = gpu ]; then
   LEVELS=${LEVELS:-1,8,64,128,256}; REQUESTS=${REQUESTS:-6,16,64,128,256}; WARMUP=2
   PIPE_LEVELS=${PIPE_LEVELS:-1,8,64,256}; PIPE_REQUESTS=${PIPE_REQUESTS:-4,16,64,256}
   PIPE_MODEL=(--preset full --random-weights --device cuda)
-  SERVE_CAP=240; PIPE_CAP=170
+  SERVE_CAP=300; PIPE_CAP=170
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   PY=${PYTHON:-.venv/bin/python}
@@ -125,7 +127,8 @@ EOF
               --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
   [ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
   record "${CLIENT_CMD[@]}"
-  T_CLIENT=$(cap $(( $(left) - PIPE_CAP - 30 )))  # leave Serve's shutdown and the in-process run their share
+  RESERVE=30; [[ ,$PHASES, == *,pipeline,* ]] && RESERVE=$(( PIPE_CAP + 30 ))
+  T_CLIENT=$(cap $(( $(left) - RESERVE )))  # leave Serve's shutdown (and the in-process run) their share
   log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
   timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
   log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
@@ -147,7 +150,9 @@ EOF
     for f in "$SESSION_DIR"/logs/serve/*.log; do tail -n 100 "$f" > "$OUT/serve_logs/$(basename "$f")"; done
   fi
 }
-serve_phase || log "Serve phase failed (exit $?): going on with the in-process run"
+if [[ ,$PHASES, == *,serve,* ]]; then
+  serve_phase || log "Serve phase failed (exit $?): going on with the in-process run"
+fi
 
 # ---- 2. The same workload in process (no Ray, no HTTP), with the engine settings of the config ----
 PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concurrency "$PIPE_LEVELS"
@@ -156,7 +161,10 @@ PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concur
           --out "$OUT/pipeline.json")
 [ "$PLOT" = 1 ] && PIPE_CMD+=(--plot "$OUT/pipeline.png")
 T_PIPE=$(cap $PIPE_CAP)
-if [ "$T_PIPE" -lt 40 ]; then
+[[ ,$PHASES, == *,serve,* ]] || T_PIPE=$(cap $(left))
+if [[ ,$PHASES, != *,pipeline,* ]]; then
+  log "pipeline.py not run (PHASES=$PHASES)"
+elif [ "$T_PIPE" -lt 40 ]; then
   log "skipping pipeline.py: only ${T_PIPE}s left"
 else
   record "${PIPE_CMD[@]}"

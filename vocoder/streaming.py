@@ -184,6 +184,10 @@ class StreamingVocoder:
         for g in self._graphed:
             g.capture_after_calls = 1
         try:
+            # the priming of a (voice, seed) not seen before, as a request with a new seed runs it
+            cold_seed = next(n for n in itertools.count(seed + 1) if (voice, n) not in self._primed)
+            self.close(self.open(voice, seed=cold_seed))
+            self._primed.pop((voice, cold_seed), None)
             for r, size, num_codes in itertools.product(sorted(set(rows)), push_sizes, lengths):
                 sessions = [self.open(voice, seed=seed) for _ in range(r)]
                 try:
@@ -615,8 +619,9 @@ def build_for_serving(
     if cuda_graphs:
         voc.use_cuda_graphs(bucket_shapes=bucket_shapes)
     voc.reserve_sessions(reserved_sessions)
-    voc.close(voc.open("default", seed=0))  # keeps the most common priming
-    return voc, (voc.warm_up(warmup_rows) if warmup_rows else {})
+    warm = voc.warm_up(warmup_rows) if warmup_rows else {}
+    voc.close(voc.open("default", seed=0))  # keeps the most common priming (warm_up's streams use it too)
+    return voc, warm
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

@@ -211,8 +211,10 @@ def test_warm_up_captures_every_shape_of_later_staggered_streams(codes: list[int
     voc = StreamingVocoder.from_preset("tiny")
     voc.use_cuda_graphs(bucket_shapes=True)
     voc.reserve_sessions(16)
+    voc.close(voc.open("default", seed=0))  # a priming before the warm-up runs eagerly (first sighting)
     stats = voc.warm_up([1, 2, 4])
     assert stats["graphs_captured"] == voc.graph_stats["num_graphs"] > 0
+    assert list(voc._primed) == [("default", 0)]  # warm-up's own cold priming (seed 1) is not kept
     # Per row count, one code per step: the whole schedule plus a repeat of its last chunk (2+3+5+10+25
     # +25+3 = 73 codes, tail 3), and streams of 45 + n codes for the tails n = 4, 5, 6, 9, 11, 12, 17, 26
     # (the first n of each distinct (bucketed flow codes, BigVGAN window) pair; tiny: window 20 + 4n).
