@@ -62,7 +62,8 @@ if ! "$PY" -c 'import ray' 2>/dev/null && ls /tmp/rayparts/ray.part.* >/dev/null
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/rayparts/*.whl \
     >> "$OUT/log.txt" 2>&1 || log "pip install failed"
 fi
-if ! "$PY" -c 'import ray, ray.serve, httpx, yaml, numpy, torch' 2>> "$OUT/log.txt"; then
+NEEDED='yaml, numpy, torch'; [[ ,$PHASES, == *,serve,* ]] && NEEDED="ray, ray.serve, httpx, $NEEDED"
+if ! "$PY" -c "import $NEEDED" 2>> "$OUT/log.txt"; then
   log "FATAL: missing packages (see log.txt). bench/client.py needs httpx: carry its wheels with"
   log "  bash ../shared/tools/device-ray-wheels.sh httpx==0.28.1 httpcore==1.0.9 h11==0.16.0"
   exit 2
@@ -71,7 +72,8 @@ PLOT=1
 "$PY" -c 'import matplotlib' 2>/dev/null || { PLOT=0; log "no matplotlib here: PNGs skipped (replot: python bench/measure.py X.json X.png)"; }
 {
   echo "date: $(date -u +%FT%TZ)"; echo "python: $("$PY" -V 2>&1)"
-  "$PY" -c 'import torch, ray; print("torch", torch.__version__, "cuda", torch.version.cuda, "ray", ray.__version__)'
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  "$PY" -c 'import ray; print("ray", ray.__version__)' 2>/dev/null
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)"; nproc
 } > "$OUT/env.txt" 2>&1
