@@ -134,7 +134,8 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
     vocoder = {k.removeprefix("vocoder_"): v for k, v in args.items()
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
-                        "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions")}
+                        "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
+                        "vocoder_chunk_schedule_codes")}
     return dict(args.get("engine", {})), vocoder
 
 

@@ -78,6 +78,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "cuda_graphs": args.vocoder_cuda_graphs, "bucket_shapes": args.vocoder_bucket_shapes,
                       "warmup_rows": args.vocoder_warmup_rows,
                       "reserved_sessions": args.vocoder_reserved_sessions,
+                      "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
                       "triton_kernels": args.vocoder_triton_kernels}
     llm_app = llm.bind(dict(args.engine))
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app)

@@ -60,6 +60,10 @@ class AppArgs(BaseModel):
     # Open sessions whose flow state is allocated at start (StreamingVocoder.reserve_sessions; ~0.66 MB
     # each for `full` in bf16). Past it the state pool doubles, which drops the captured flow graphs.
     vocoder_reserved_sessions: int = Field(default=0, ge=0)
+    # Chunk sizes (codes) of a stream's low-latency chunks, the last repeating (vocoder StreamConfig);
+    # None: the preset's (2, 3, 5, 10, 25). A bigger first chunk costs first-audio time and buys the
+    # listener more buffered audio before the second chunk is due (docs/vocoder.md, Chunk schedule).
+    vocoder_chunk_schedule_codes: list[int] | None = None
     # The vocoder's Triton kernels (fused BigVGAN activation, chunk attention; vocoder/kernels/).
     # None: on wherever CUDA and Triton are present; false forces the bigvgan package's modules and SDPA.
     vocoder_triton_kernels: bool | None = None
@@ -89,6 +93,13 @@ class AppArgs(BaseModel):
     @classmethod
     def _validate_options(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _check_options(value)
+
+    @field_validator("vocoder_chunk_schedule_codes")
+    @classmethod
+    def _validate_schedule(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 1):
+            raise ValueError(f"vocoder_chunk_schedule_codes must be non-empty sizes >= 1, got {value}")
+        return value
 
     @field_validator("vocoder_warmup_rows")
     @classmethod

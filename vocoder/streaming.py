@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -605,16 +606,22 @@ def build_for_serving(
     bucket_shapes: bool = False,
     reserved_sessions: int = 0,
     warmup_rows: Sequence[int] = (),
+    chunk_schedule_codes: Sequence[int] | None = None,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
     """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
 
-    `from_preset` kwargs build it; then CUDA graphs (optionally with bucketed shapes), flow state for
+    `from_preset` kwargs build it (`chunk_schedule_codes` replaces the preset's low-latency chunk
+    schedule); then CUDA graphs (optionally with bucketed shapes), flow state for
     `reserved_sessions`, the default voice's priming (seed 0), and a `warm_up` over `warmup_rows`.
     Returns the vocoder and the warm-up's figures (empty without one).
     """
     if (bucket_shapes or warmup_rows) and not cuda_graphs:
         raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
+    if chunk_schedule_codes is not None:
+        cfg = VocoderConfig.preset(preset)
+        stream = dataclasses.replace(cfg.stream, chunk_schedule_codes=tuple(chunk_schedule_codes))
+        from_preset["config"] = dataclasses.replace(cfg, stream=stream)
     voc = StreamingVocoder.from_preset(preset, **from_preset)  # type: ignore[arg-type]
     if cuda_graphs:
         voc.use_cuda_graphs(bucket_shapes=bucket_shapes)

@@ -273,3 +273,9 @@ def test_build_for_serving_wires_graphs_reserve_priming_and_warm_up() -> None:
     assert nothing == {} and plain.graph_stats["num_graphs"] == 0 and plain.pool.capacity == 8
     with pytest.raises(ValueError, match="need cuda_graphs"):
         build_for_serving("tiny", warmup_rows=[1])
+    bigger_first, _ = build_for_serving("tiny", chunk_schedule_codes=[3, 5])
+    assert bigger_first.config.stream.chunk_schedule_codes == (3, 5)
+    session = bigger_first.open("default", seed=SEED)
+    sizes = [len(bigger_first.push(session, [c])) for c in range(1, 12)]
+    # first audio after 3 + 3 codes: 3 codes minus the held overlap; the next after 3 + 5 + 3
+    assert sizes == [0] * 5 + [3 * SAMPLES_PER_CODE - OVERLAP] + [0] * 4 + [5 * SAMPLES_PER_CODE]
