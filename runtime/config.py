@@ -24,6 +24,7 @@ IM_START_ID = 151644
 IM_END_ID = 151645
 ENDOFTEXT_ID = 151643
 NUM_AUDIO_CODES = 16384  # valid generated codec codes are 0..16383
+CODES_PER_SECOND = 12.5  # codec frame rate: one code is 80 ms of speech
 
 MODEL_TYPE = "moss_speech"
 ARCHITECTURE = "MossSpeechForCausalLM"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.block_manager import BlockManager
-from runtime.config import MODALITY_PAD_ID, ModelConfig, Row
+from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
 from runtime.errors import EngineError, InvalidRequestError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
 from runtime.model import MossSpeechForCausalLM, build_model
@@ -57,6 +58,9 @@ class EngineConfig:
     queue_timeout_s: float = 300.0  # a request waiting longer ends with Finished("error")
     fast_path: bool = False  # fused weights + fused ops; decode steps in CUDA graphs on CUDA
     fp8_scope: str | None = None  # fast path only: FP8 weights for "shared" | "layers" | "all" (docs/gpu.md)
+    # Real-time pacing: seconds of audio a stream may run ahead of real time (None: as fast as possible).
+    # See SchedulerConfig.pacing_lead_codes and docs/engine.md.
+    pacing_lead_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.pacing_lead_s is not None and not self.pacing_lead_s > 0:
+            raise ValueError(f"pacing_lead_s must be > 0 or None, got {self.pacing_lead_s}")
         if self.fp8_scope is not None:
             from runtime.fused import FP8_SCOPES
 
@@ -89,6 +95,7 @@ class EngineConfig:
             max_num_running=self.max_num_running, max_num_waiting=self.max_num_waiting,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             queue_timeout_s=self.queue_timeout_s,
+            pacing_lead_codes=None if self.pacing_lead_s is None else math.ceil(self.pacing_lead_s * CODES_PER_SECOND),
         )
 
 
@@ -448,8 +455,10 @@ class Engine:
                 return True
             events, out, inp = self.core.begin_step()
             self._deliver(events)
-        if inp is None:
-            time.sleep(0.001)  # only queue expiries happened; do not spin
+        if inp is None:  # queue expiries only, or every stream is paced: sleep until one is due
+            with self._lock:
+                due = self.core.scheduler.next_due_in()
+            time.sleep(min(0.002, max(0.0005, due or 0.0)))  # a new request waits at most 2 ms
             return True
         sampled, step_s = self.core.run_model(inp)
         with self._lock:

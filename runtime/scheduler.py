@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
-from runtime.config import Row
+from runtime.config import CODES_PER_SECOND, Row
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError
 from runtime.request import FinishReason, GenerationRequest
 from runtime.sampling import is_stop_row
@@ -33,6 +33,13 @@ class SchedulerConfig:
     max_model_len: int = 4096
     queue_timeout_s: float = 300.0
     retry_after_s: float = 1.0
+    # Real-time pacing (None: off). A decoding sequence's lead is its audio codes minus
+    # `pacing_codes_per_s` x (seconds since its first code): how far it runs ahead of a listener who
+    # started with the first code. Decode steps run only while some sequence's lead is under half of
+    # `pacing_lead_codes` (or other work is there), and take the sequences whose lead is under it; so
+    # a paced batch refills in bursts and the GPU is left to the vocoder (and prefills) in between.
+    pacing_lead_codes: int | None = None
+    pacing_codes_per_s: float = CODES_PER_SECOND
 
     def __post_init__(self) -> None:
         for name in ("max_num_running", "max_num_waiting", "max_num_batched_tokens", "max_model_len"):
@@ -40,6 +47,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+        if self.pacing_lead_codes is not None and self.pacing_lead_codes < 1:
+            raise ValueError(f"pacing_lead_codes must be >= 1 or None, got {self.pacing_lead_codes}")
+        if not self.pacing_codes_per_s > 0:
+            raise ValueError(f"pacing_codes_per_s must be > 0, got {self.pacing_codes_per_s}")
 
 
 @dataclass(frozen=True)
@@ -123,12 +134,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's rows within the token budget, allocating (or preempting for) their blocks."""
         out = SchedulerOutput()
+        now = self.clock()
         scheduled: dict[str, ScheduledChunk] = {}
         budget = self.config.max_num_batched_tokens
+        lead = self.config.pacing_lead_codes
+        wake = lead is None or bool(self.waiting) or any(
+            seq.num_uncomputed != 1 or self._lead(seq, now) < lead / 2 for seq in self.running)
         for decoding in (True, False):
             for seq in list(self.running):
                 if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed == 1) != decoding:
                     continue  # preempted earlier in this loop, or not this pass
+                if decoding and lead is not None and (not wake or self._lead(seq, now) >= lead):
+                    continue  # paced: far enough ahead of real time
                 num_tokens = min(seq.num_uncomputed, budget)
                 if num_tokens == 0:
                     break
@@ -167,12 +184,31 @@ class Scheduler:
                 continue
             row = sampled[seq.request_id]
             seq.append_row(row)
+            if seq.first_code_time is None and seq.sampler.audio_codes:
+                seq.first_code_time = self.clock()
             new_rows.append((seq, row))
             if is_stop_row(row):
                 self._finish(seq, "stop")
             elif seq.num_generated >= seq.request.max_new_tokens:
                 self._finish(seq, "length")
         return new_rows
+
+    def next_due_in(self) -> float | None:
+        """Seconds until pacing lets a decode step run again (None: pacing holds nothing back)."""
+        lead = self.config.pacing_lead_codes
+        if lead is None or not self.running:
+            return None
+        now, rate = self.clock(), self.config.pacing_codes_per_s
+        leads = [self._lead(seq, now) for seq in self.running]
+        if self.waiting or min(leads) < lead / 2 or any(s.num_uncomputed != 1 for s in self.running):
+            return 0.0
+        return (min(leads) - lead / 2) / rate  # the lead falls by `rate` codes per second
+
+    def _lead(self, seq: Sequence, now: float) -> float:
+        """Codes `seq` is ahead of real time since its first code (-inf before it has one)."""
+        if seq.first_code_time is None:
+            return float("-inf")
+        return len(seq.sampler.audio_codes) - self.config.pacing_codes_per_s * (now - seq.first_code_time)
 
     def abort(self, request_id: str, reason: FinishReason = "abort", error: str | None = None) -> Sequence | None:
         """End `request_id` now and free its blocks; None when it is unknown or already finished."""

@@ -47,6 +47,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.arrival_index = arrival_index  # global admission order tie-breaker
         self.enqueue_time = arrival_time  # when it last entered the waiting queue
+        self.first_code_time: float | None = None  # scheduler clock at its first audio code (pacing)
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         # Wall time of the steps this sequence took part in (the engine's own step timings).

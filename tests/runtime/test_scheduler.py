@@ -194,3 +194,68 @@ def test_prefix_hit_starts_after_cached_blocks() -> None:
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
     bm = sched.block_manager
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (19, 8)
+
+
+def feed_codes(sched: Scheduler, out: SchedulerOutput, code: int = 5) -> None:
+    """`feed`, with every sampled row an audio code (what sample_next_rows records in audio mode)."""
+    for c in out.chunks:
+        if c.needs_sample:
+            c.seq.sampler._audio_codes.append(code)
+    sched.update(out, {c.seq.request_id: (151667, code) for c in out.chunks if c.needs_sample})
+
+
+def test_pacing_runs_decode_steps_in_bursts_that_keep_streams_near_real_time() -> None:
+    # lead 6 codes at 12.5 codes/s: steps run while some stream's lead (codes - 12.5 x seconds since
+    # its first code) is under 3, and take every stream whose lead is under 6.
+    clock = FakeClock()
+    sched = make_scheduler(clock=clock, pacing_lead_codes=6)
+    a, b = make_seq("a", 3, max_new_tokens=50), make_seq("b", 3, max_new_tokens=50)
+    sched.add(a)
+    sched.add(b)
+    feed_codes(sched, sched.schedule())  # both prompts: first code of each at t = 100.0
+    assert a.first_code_time == b.first_code_time == 100.0
+    for _ in range(2):  # leads 1, then 2: under 3
+        out = sched.schedule()
+        assert layout(out) == [("a", 3 + _, 1, True), ("b", 3 + _, 1, True)]
+        feed_codes(sched, out)
+    assert sched.schedule().is_empty and sched.next_due_in() == 0.0  # leads 3: not under 3, due now
+    clock.now += 0.04  # leads 3 - 0.5 = 2.5
+    out = sched.schedule()
+    assert len(out.chunks) == 2
+    feed_codes(sched, out)  # leads 3.5: next due when they fall to 3, in 0.5 / 12.5 s
+    assert sched.schedule().is_empty and sched.next_due_in() == pytest.approx(0.04)
+    # A new request wakes the steps: a and b ride along with c's prefill chunks while their leads are
+    # under 6 (3.5 -> 6.5), then c alone decodes until its own lead reaches 3.
+    c = make_seq("c", 8, max_new_tokens=50)
+    sched.add(c)
+    sched.config = SchedulerConfig(pacing_lead_codes=6, max_num_batched_tokens=4)
+    steps = []
+    for _ in range(7):
+        out = sched.schedule()
+        steps.append(layout(out))
+        feed_codes(sched, out)
+    assert steps == [
+        [("a", 6, 1, True), ("b", 6, 1, True), ("c", 0, 2, False)],
+        [("a", 7, 1, True), ("b", 7, 1, True), ("c", 2, 2, False)],
+        [("a", 8, 1, True), ("b", 8, 1, True), ("c", 4, 2, False)],
+        [("c", 6, 2, True)],  # a, b: lead 6.5, not under 6; c's first code
+        [("c", 8, 1, True)],  # c: lead 1 ...
+        [("c", 9, 1, True)],  # ... 2
+        [],  # c: lead 3
+    ]
+    assert (a.num_generated, b.num_generated, c.num_generated) == (7, 7, 3)
+    assert sched.next_due_in() == 0.0
+    clock.now += 0.08  # a, b: 7 - 12.5 x 0.12 = 5.5; c: 3 - 1 = 2
+    assert [ch.seq.request_id for ch in sched.schedule().chunks] == ["a", "b", "c"]
+
+
+def test_pacing_config_is_validated_and_derived_from_seconds() -> None:
+    from runtime.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="pacing_lead_codes must be >= 1"):
+        SchedulerConfig(pacing_lead_codes=0)
+    with pytest.raises(ValueError, match="pacing_lead_s must be > 0"):
+        EngineConfig(pacing_lead_s=0.0)
+    assert EngineConfig(pacing_lead_s=0.5).scheduler_config().pacing_lead_codes == 7  # ceil(6.25)
+    assert EngineConfig().scheduler_config().pacing_lead_codes is None
+    assert make_scheduler(pacing_lead_codes=4).next_due_in() is None  # nothing running
