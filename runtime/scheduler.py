@@ -35,9 +35,10 @@ class SchedulerConfig:
     retry_after_s: float = 1.0
     # Real-time pacing (None: off). A decoding sequence's lead is its audio codes minus
     # `pacing_codes_per_s` x (seconds since its first code): how far it runs ahead of a listener who
-    # started with the first code. Decode steps run only while some sequence's lead is under half of
-    # `pacing_lead_codes` (or other work is there), and take the sequences whose lead is under it; so
-    # a paced batch refills in bursts and the GPU is left to the vocoder (and prefills) in between.
+    # started with the first code. Decode steps run only while some sequence's lead is under
+    # `pacing_lead_codes` (or other work is there), and take the sequences whose lead is under 1.5 x
+    # that; so every lead stays at or above `pacing_lead_codes` (less what one step adds), a paced
+    # batch refills in bursts, and the GPU is left to the vocoder (and prefills) in between.
     pacing_lead_codes: int | None = None
     pacing_codes_per_s: float = CODES_PER_SECOND
 
@@ -139,12 +140,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         lead = self.config.pacing_lead_codes
         wake = lead is None or bool(self.waiting) or any(
-            seq.num_uncomputed != 1 or self._lead(seq, now) < lead / 2 for seq in self.running)
+            seq.num_uncomputed != 1 or self._lead(seq, now) < lead for seq in self.running)
         for decoding in (True, False):
             for seq in list(self.running):
                 if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed == 1) != decoding:
                     continue  # preempted earlier in this loop, or not this pass
-                if decoding and lead is not None and (not wake or self._lead(seq, now) >= lead):
+                if decoding and lead is not None and (not wake or self._lead(seq, now) >= 1.5 * lead):
                     continue  # paced: far enough ahead of real time
                 num_tokens = min(seq.num_uncomputed, budget)
                 if num_tokens == 0:
@@ -200,9 +201,9 @@ class Scheduler:
             return None
         now, rate = self.clock(), self.config.pacing_codes_per_s
         leads = [self._lead(seq, now) for seq in self.running]
-        if self.waiting or min(leads) < lead / 2 or any(s.num_uncomputed != 1 for s in self.running):
+        if self.waiting or min(leads) < lead or any(s.num_uncomputed != 1 for s in self.running):
             return 0.0
-        return (min(leads) - lead / 2) / rate  # the lead falls by `rate` codes per second
+        return (min(leads) - lead) / rate  # the lead falls by `rate` codes per second
 
     def _lead(self, seq: Sequence, now: float) -> float:
         """Codes `seq` is ahead of real time since its first code (-inf before it has one)."""

@@ -205,47 +205,47 @@ def feed_codes(sched: Scheduler, out: SchedulerOutput, code: int = 5) -> None:
 
 
 def test_pacing_runs_decode_steps_in_bursts_that_keep_streams_near_real_time() -> None:
-    # lead 6 codes at 12.5 codes/s: steps run while some stream's lead (codes - 12.5 x seconds since
-    # its first code) is under 3, and take every stream whose lead is under 6.
+    # lead 4 codes at 12.5 codes/s: steps run while some stream's lead (codes - 12.5 x seconds since
+    # its first code) is under 4, and take every stream whose lead is under 6.
     clock = FakeClock()
-    sched = make_scheduler(clock=clock, pacing_lead_codes=6)
+    sched = make_scheduler(clock=clock, pacing_lead_codes=4)
     a, b = make_seq("a", 3, max_new_tokens=50), make_seq("b", 3, max_new_tokens=50)
     sched.add(a)
     sched.add(b)
     feed_codes(sched, sched.schedule())  # both prompts: first code of each at t = 100.0
     assert a.first_code_time == b.first_code_time == 100.0
-    for _ in range(2):  # leads 1, then 2: under 3
+    for k in range(3):  # leads 1, 2, 3: under 4
         out = sched.schedule()
-        assert layout(out) == [("a", 3 + _, 1, True), ("b", 3 + _, 1, True)]
+        assert layout(out) == [("a", 3 + k, 1, True), ("b", 3 + k, 1, True)]
         feed_codes(sched, out)
-    assert sched.schedule().is_empty and sched.next_due_in() == 0.0  # leads 3: not under 3, due now
-    clock.now += 0.04  # leads 3 - 0.5 = 2.5
+    assert sched.schedule().is_empty and sched.next_due_in() == 0.0  # leads 4: not under 4, due now
+    clock.now += 0.04  # leads 4 - 0.5 = 3.5
     out = sched.schedule()
     assert len(out.chunks) == 2
-    feed_codes(sched, out)  # leads 3.5: next due when they fall to 3, in 0.5 / 12.5 s
+    feed_codes(sched, out)  # leads 4.5: next due when they fall to 4, in 0.5 / 12.5 s
     assert sched.schedule().is_empty and sched.next_due_in() == pytest.approx(0.04)
     # A new request wakes the steps: a and b ride along with c's prefill chunks while their leads are
-    # under 6 (3.5 -> 6.5), then c alone decodes until its own lead reaches 3.
+    # under 6 (4.5 -> 6.5), then c alone decodes until its own lead reaches 4.
     c = make_seq("c", 8, max_new_tokens=50)
     sched.add(c)
-    sched.config = SchedulerConfig(pacing_lead_codes=6, max_num_batched_tokens=4)
+    sched.config = SchedulerConfig(pacing_lead_codes=4, max_num_batched_tokens=4)
     steps = []
     for _ in range(7):
         out = sched.schedule()
         steps.append(layout(out))
         feed_codes(sched, out)
     assert steps == [
-        [("a", 6, 1, True), ("b", 6, 1, True), ("c", 0, 2, False)],
-        [("a", 7, 1, True), ("b", 7, 1, True), ("c", 2, 2, False)],
-        [("a", 8, 1, True), ("b", 8, 1, True), ("c", 4, 2, False)],
-        [("c", 6, 2, True)],  # a, b: lead 6.5, not under 6; c's first code
+        [("a", 7, 1, True), ("b", 7, 1, True), ("c", 0, 2, False)],
+        [("a", 8, 1, True), ("b", 8, 1, True), ("c", 2, 2, False)],
+        [("c", 4, 4, True)],  # a, b: lead 6.5, not under 6; c's first code
         [("c", 8, 1, True)],  # c: lead 1 ...
         [("c", 9, 1, True)],  # ... 2
-        [],  # c: lead 3
+        [("c", 10, 1, True)],  # ... 3
+        [],  # c: lead 4
     ]
-    assert (a.num_generated, b.num_generated, c.num_generated) == (7, 7, 3)
+    assert (a.num_generated, b.num_generated, c.num_generated) == (7, 7, 4)
     assert sched.next_due_in() == 0.0
-    clock.now += 0.08  # a, b: 7 - 12.5 x 0.12 = 5.5; c: 3 - 1 = 2
+    clock.now += 0.08  # a, b: 7 - 12.5 x 0.12 = 5.5; c: 4 - 1 = 3
     assert [ch.seq.request_id for ch in sched.schedule().chunks] == ["a", "b", "c"]
 
 
