@@ -102,17 +102,33 @@ class ChatChunker:
 
     def usage(self, done: dict[str, Any]) -> bytes:
         """The `stream_options.include_usage` chunk: no choices, usage only."""
-        usage = {"prompt_tokens": done["num_prompt_tokens"],
-                 "completion_tokens": done["num_generated_tokens"],
-                 "total_tokens": done["num_prompt_tokens"] + done["num_generated_tokens"],
-                 "prompt_tokens_details": {"cached_tokens": done["num_cached_prompt_tokens"]},
-                 "audio_codes": done["num_audio_codes"], "audio_samples": done["num_audio_samples"]}
-        return self._chunk({}, usage=usage, with_choice=False)
+        return self._chunk({}, usage=chat_usage(done), with_choice=False)
+
+    def completion(self, text: str, pcm: bytes | None, finish_reason: str, done: dict[str, Any]) -> bytes:
+        """The whole `chat.completion` object of a non-streamed request (JSON, not SSE). With audio,
+        `message.audio` holds all PCM16 (base64) and the text as `transcript`; nothing is stored for
+        later turns, so `expires_at` is the creation time."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if pcm is not None:
+            message["audio"] = {"id": self._audio_id, "data": b64(pcm), "transcript": text,
+                                "expires_at": self.created}
+        body = {"id": self.completion_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+                "usage": chat_usage(done)}
+        return json.dumps(body, separators=(",", ":")).encode()
 
     def error(self, event: dict[str, Any]) -> bytes:
         """A mid-stream error (after the 200 status was sent) as an `{"error": ...}` event."""
         return sse({"error": {"message": event["message"], "type": event["error_type"],
                               "param": event["param"], "code": event["code"]}})
+
+
+def chat_usage(done: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI chat usage plus our audio counts, from a `done` event."""
+    return {"prompt_tokens": done["num_prompt_tokens"], "completion_tokens": done["num_generated_tokens"],
+            "total_tokens": done["num_prompt_tokens"] + done["num_generated_tokens"],
+            "prompt_tokens_details": {"cached_tokens": done["num_cached_prompt_tokens"]},
+            "audio_codes": done["num_audio_codes"], "audio_samples": done["num_audio_samples"]}
 
 
 DONE = sse("[DONE]")

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from deployments.args import AppArgs
 from deployments.errors import ApiError, error_event, internal_error, timeout_error
 from deployments.metrics import IngressMetrics
-from deployments.streams import StreamPlan, chat_plan, speech_plan
+from deployments.streams import ChatCompletionPlan, StreamPlan, chat_plan, speech_plan
 from deployments.validation import Limits, chat_request, speech_request
 
 logger = logging.getLogger("ray.serve")
@@ -131,8 +131,16 @@ class Ingress:
 
     async def _chat(self, request: Request) -> Response:
         parsed, payload = chat_request(await self._read_body(request), await self._get_limits())
-        return await self._stream("chat", payload, chat_plan(parsed, payload["request_id"],
-                                                              self._args.served_model_name))
+        plan = chat_plan(parsed, payload["request_id"], self._args.served_model_name)
+        response = await self._stream("chat", payload, plan)
+        if not isinstance(plan, ChatCompletionPlan):
+            return response
+        # stream=false: run the same body to its end here, then answer once (a failure keeps its status)
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        if plan.failure is not None:
+            raise ApiError.from_event(plan.failure)
+        headers = {k: v for k, v in response.headers.items() if k in ("x-moss-request-id", "cache-control")}
+        return Response(body, media_type=plan.media_type, headers=headers)
 
     async def _next(self, stream: Any, deadline: float) -> dict[str, Any]:
         """The next event, or an ApiError after the idle timeout or the request deadline."""

@@ -126,8 +126,6 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        if not self.stream:
-            raise ValueError("only stream=true is supported")
         if self.messages[-1].role != "user":
             raise ValueError("the last message must have role 'user'")
         _check_min_max(self.min_new_tokens, self.max_new_tokens)

@@ -97,6 +97,39 @@ class ChatPlan(StreamPlan):
         return self.chunker.error(event) + framing.DONE
 
 
+@dataclass
+class ChatCompletionPlan(StreamPlan):
+    """`stream=false`: text and audio are collected; `done` yields the one `chat.completion` JSON body.
+    A failure is kept in `failure` (and yields nothing), so the caller can answer with its HTTP status."""
+
+    media_type: str = "application/json"
+    chunker: framing.ChatChunker | None = None
+    with_audio: bool = False
+    failure: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._text: list[str] = []
+        self._pcm: list[bytes] = []
+
+    def audio(self, pcm: bytes) -> bytes:
+        self._pcm.append(pcm)
+        return b""
+
+    def text(self, text: str) -> bytes:
+        self._text.append(text)
+        return b""
+
+    def done(self, event: dict[str, Any]) -> bytes:
+        assert self.chunker is not None
+        reason = "length" if event["reason"] == "length" else "stop"
+        pcm = b"".join(self._pcm) if self.with_audio else None
+        return self.chunker.completion("".join(self._text), pcm, reason, event)
+
+    def error(self, event: dict[str, Any]) -> bytes:
+        self.failure = event
+        return b""
+
+
 def speech_plan(req: SpeechRequest) -> StreamPlan:
     """The framing a speech request asked for."""
     if req.stream_format == "sse":
@@ -107,7 +140,9 @@ def speech_plan(req: SpeechRequest) -> StreamPlan:
 
 
 def chat_plan(req: ChatCompletionRequest, request_id: str, model: str) -> StreamPlan:
-    """The framing of a streamed chat completion."""
+    """The framing of a chat completion: SSE chunks, or one JSON body with `stream=false`."""
+    chunker = framing.ChatChunker(request_id, model, int(time.time()))
+    if not req.stream:
+        return ChatCompletionPlan(chunker=chunker, with_audio=req.wants_audio)
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return ChatPlan(chunker=framing.ChatChunker(request_id, model, int(time.time())),
-                    include_usage=include_usage)
+    return ChatPlan(chunker=chunker, include_usage=include_usage)

@@ -75,3 +75,26 @@ def test_text_only_chat_has_no_audio(http: httpx.Client) -> None:
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 4}))
     assert len(text) == 8 and text.isalpha()
     assert audio == b"" and usage is None and reasons[-1] == "length"
+
+
+def test_non_streamed_chat_returns_one_completion_equal_to_the_streamed_one(http: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Say something"}], "modalities": ["text", "audio"],
+            "audio": {"voice": "default", "format": "pcm16"}, "min_new_tokens": 4, "max_completion_tokens": 12,
+            "seed": 1}
+    text, audio, reasons, usage = split(chat_events(http, {**body, "stream_options": {"include_usage": True}}))
+    response = http.post("/v1/chat/completions", json={"model": "moss-speech", "stream": False, **body})
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    completion = response.json()
+    assert completion["object"] == "chat.completion" and completion["id"].startswith("chatcmpl-")
+    assert completion["id"] == response.headers["x-moss-request-id"]
+    (choice,) = completion["choices"]
+    message = choice["message"]
+    assert choice["finish_reason"] == reasons[-1] == "length"
+    assert message["role"] == "assistant" and message["content"] == text == message["audio"]["transcript"]
+    assert base64.b64decode(message["audio"]["data"]) == audio and len(audio) == 2 * SAMPLES_PER_CODE * 4
+    assert completion["usage"] == usage
+    text_only = http.post("/v1/chat/completions", json={
+        "model": "moss-speech", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 4})
+    assert text_only.status_code == 200  # stream defaults to false, as in the OpenAI API
+    message = text_only.json()["choices"][0]["message"]
+    assert "audio" not in message and len(message["content"]) == 8 and message["content"].isalpha()

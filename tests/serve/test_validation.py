@@ -116,7 +116,6 @@ def test_chat_request_dict_keeps_turns_in_order() -> None:
     (chat([{"role": "robot", "content": "hi"}]), "messages.0.role", "'system', 'developer'"),
     (chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]), None,
      "last message must have role 'user'"),
-    (chat(stream=False), None, "only stream=true is supported"),
     (chat(modalities=["video"]), "modalities.0", "'text' or 'audio'"),
     (chat(modalities=["audio"], audio={"voice": "nobody"}), "audio.voice", "unknown voice 'nobody'"),
     (chat(modalities=["audio"], audio={"format": "mp3"}), "audio.format", "'pcm16'"),
