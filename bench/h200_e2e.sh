@@ -11,8 +11,10 @@
 # On the GPU machine Ray comes from the wheels of ../shared/tools/device-ray-wheels.sh: if `import ray`
 # fails and /tmp/rayparts holds the parts, this script assembles and installs them into /tmp/site.
 # Knobs (environment): OUT, CONFIG, BUDGET_S (total seconds, default 470), MAX_NEW_TOKENS, PROMPT_TOKENS,
-# LEVELS, REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON, PHASES (default serve,pipeline: which parts run;
-# one per device call when each needs most of the call, e.g. with the vocoder warm-up of serve-h200.yaml).
+# LEVELS (none: no closed loop), REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON, PHASES (default
+# serve,pipeline: which parts run; one per device call when each needs most of the call, e.g. with the
+# vocoder warm-up of serve-h200.yaml), OPEN_RATES (comma separated arrivals per second: open-loop runs
+# over Serve after the closed loop, each OPEN_DURATION seconds of arrivals, default 30).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -21,6 +23,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STAT
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/h200_e2e_out}
 PHASES=${PHASES:-serve,pipeline}
+OPEN_RATES=${OPEN_RATES:-}; OPEN_DURATION=${OPEN_DURATION:-30}
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
@@ -123,17 +126,28 @@ import sys, httpx
 print("health:", httpx.get(sys.argv[1] + "/health", timeout=10).text)
 EOF
 
-  CLIENT_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LEVELS" --requests "$REQUESTS"
-              --warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$MAX_NEW_TOKENS"
-              --fixed-length --response-format pcm --server-summary --timeout 300
-              --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
-  [ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
-  record "${CLIENT_CMD[@]}"
+  COMMON=(--warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$MAX_NEW_TOKENS"
+          --fixed-length --response-format pcm --server-summary --timeout 300)
   RESERVE=30; [[ ,$PHASES, == *,pipeline,* ]] && RESERVE=$(( PIPE_CAP + 30 ))
-  T_CLIENT=$(cap $(( $(left) - RESERVE )))  # leave Serve's shutdown (and the in-process run) their share
-  log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
-  timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
-  log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
+  if [ "$LEVELS" != none ]; then
+    CLIENT_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LEVELS" --requests "$REQUESTS" "${COMMON[@]}"
+                --label "$MODE serve $CONFIG" --out "$OUT/client_closed.json")
+    [ "$PLOT" = 1 ] && CLIENT_CMD+=(--plot "$OUT/client_closed.png")
+    record "${CLIENT_CMD[@]}"
+    T_CLIENT=$(cap $(( $(left) - RESERVE )))  # leave Serve's shutdown (and the in-process run) their share
+    log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
+    timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
+    log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
+  fi
+  for RATE in ${OPEN_RATES//,/ }; do  # open loop: Poisson arrivals at RATE per second for OPEN_DURATION s
+    OPEN_CMD=("$PY" bench/client.py --url "$URL" --rate "$RATE" --duration "$OPEN_DURATION" "${COMMON[@]}"
+              --label "$MODE serve $CONFIG open $RATE/s" --out "$OUT/client_open_$RATE.json")
+    record "${OPEN_CMD[@]}"
+    T_CLIENT=$(cap $(( $(left) - RESERVE )))
+    log "open-loop client (timeout ${T_CLIENT}s): ${OPEN_CMD[*]}"
+    timeout --kill-after=10 "$T_CLIENT" "${OPEN_CMD[@]}" > "$OUT/client_open_$RATE.stdout" 2>> "$OUT/client_stderr.txt"
+    log "open-loop client exit $?"
+  done
 
   "$PY" - "$URL" "$METRICS_PORT" "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
 import sys, httpx
@@ -185,7 +199,7 @@ fi
 "$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/digest.txt"
 import json, os, sys
 out = sys.argv[1]
-for name in ("client_closed.json", "pipeline.json"):
+for name in ["client_closed.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         print(f"{name}: missing"); continue
@@ -193,7 +207,8 @@ for name in ("client_closed.json", "pipeline.json"):
     print(f"{name}: complete={s['complete']} {s.get('device_name', '')}")
     for lv in s["levels"]:
         ms = lambda d, q: "-" if d[q] is None else f"{d[q] * 1000:.0f}"
-        print(f"  c={lv['concurrency']:>4} ok={lv['num_ok']}/{lv['num_requests']} errors={lv['errors']} "
+        where = f"c={lv['concurrency']:>4}" if "concurrency" in lv else f"rate={lv['rate_per_s']}/s"
+        print(f"  {where} ok={lv['num_ok']}/{lv['num_requests']} errors={lv['errors']} "
               f"ttfa p50/p99={ms(lv['ttfa_s'], 'p50')}/{ms(lv['ttfa_s'], 'p99')} "
               f"gap p50/p99={ms(lv['chunk_gap_s'], 'p50')}/{ms(lv['chunk_gap_s'], 'p99')} "
               f"rtf p50={lv['rtf']['p50'] and round(lv['rtf']['p50'], 3)} "
