@@ -214,6 +214,6 @@ for name in ["client_closed.json", "pipeline.json"] + sorted(f for f in os.listd
               f"rtf p50={lv['rtf']['p50'] and round(lv['rtf']['p50'], 3)} "
               f"audio_s/wall_s={lv['audio_s_per_wall_s'] and round(lv['audio_s_per_wall_s'], 2)} "
               f"underruns={lv['underruns']['total']} codes={lv['num_audio_codes_seen']} "
-              f"prompt={lv['num_prompt_tokens_seen']} driver_lag_p99={ms(lv['driver_loop_lag_s'], 'p99')}")
+              f"prompt={lv['num_prompt_tokens_seen']} driver_lag_p99={ms(lv.get('driver_loop_lag_s', {'p99': None}), 'p99')}")
 EOF
 log "total $(( $(date +%s) - T0 ))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
