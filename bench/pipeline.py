@@ -41,13 +41,12 @@ _ids = itertools.count()
 class Pipeline:
     """One engine and one batched vocoder, driven the way the deployments drive them."""
 
-    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, urgent_buffer_s: float | None = None) -> None:
+    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int) -> None:
         from vocoder.config import SAMPLE_RATE
 
         self.engine = engine
         self.vocoder = vocoder
-        self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
-                                      urgent_buffer_s=urgent_buffer_s)
+        self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE)
 
     def request(self, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                 temperature: float | None) -> Any:
@@ -136,7 +135,7 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
-                        "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s")}
+                        "vocoder_chunk_schedule_codes")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -163,14 +162,12 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     if args.device is not None:
         vocoder_kwargs["device"] = args.device
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
-    urgent_buffer_s = vocoder_kwargs.pop("urgent_buffer_s", None)
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
     vocoder, warm = build_for_serving(**vocoder_kwargs)  # as deployments/vocoder_server.py builds it
-    settings = {"engine": engine_kwargs,
-                "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch, "urgent_buffer_s": urgent_buffer_s},
+    settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch},
                 "vocoder_warm_up": warm, "build_s": time.perf_counter() - loaded}
-    return Pipeline(engine, vocoder, max_batch, urgent_buffer_s), settings
+    return Pipeline(engine, vocoder, max_batch), settings
 
 
 async def run(args: argparse.Namespace, levels: list[int], text: str,

@@ -79,7 +79,6 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "warmup_rows": args.vocoder_warmup_rows,
                       "reserved_sessions": args.vocoder_reserved_sessions,
                       "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
-                      "urgent_buffer_s": args.vocoder_urgent_buffer_s,
                       "triton_kernels": args.vocoder_triton_kernels}
     llm_app = llm.bind(dict(args.engine))
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app)

@@ -64,10 +64,6 @@ class AppArgs(BaseModel):
     # None: the preset's (2, 3, 5, 10, 25). A bigger first chunk costs first-audio time and buys the
     # listener more buffered audio before the second chunk is due (docs/vocoder.md, Chunk schedule).
     vocoder_chunk_schedule_codes: list[int] | None = None
-    # Earliest deadline first in the vocoder batcher (deployments/batcher.py): when some stream has less
-    # than this many seconds of audio buffered for its listener, a round steps only such streams.
-    # None: every stream with codes goes into each round.
-    vocoder_urgent_buffer_s: float | None = Field(default=None, gt=0)
     # The vocoder's Triton kernels (fused BigVGAN activation, chunk attention; vocoder/kernels/).
     # None: on wherever CUDA and Triton are present; false forces the bigvgan package's modules and SDPA.
     vocoder_triton_kernels: bool | None = None

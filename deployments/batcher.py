@@ -35,12 +35,6 @@ class BatchedStream:
         self.num_samples = 0
         self.first_pcm_at: float | None = None
 
-    def buffered_s(self, now: float, sample_rate: int) -> float:
-        """Seconds of audio a listener who started at the first chunk still has queued (-inf before it)."""
-        if self.first_pcm_at is None:
-            return float("-inf")
-        return self.num_samples / sample_rate - (now - self.first_pcm_at)
-
     def lag_s(self, now: float, sample_rate: int) -> float:
         """Seconds a real-time listener who started at the first chunk would be waiting now."""
         if self.first_pcm_at is None or self.is_ended:
@@ -52,15 +46,9 @@ class VocoderBatcher:
     """Owns the vocoder's worker thread and the batching loop of one replica."""
 
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int,
-                 on_step: Callable[[int], None] | None = None, urgent_buffer_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 on_step: Callable[[int], None] | None = None) -> None:
         self.vocoder = vocoder
         self.max_batch_size = max_batch_size
-        # Earliest deadline first (None: off): when some ready stream has less than this much audio
-        # buffered for its listener (or none yet), a round steps only such streams; the others keep
-        # their codes for a later round, so a big step of comfortable streams never delays a due chunk.
-        self.urgent_buffer_s = urgent_buffer_s
-        self._clock = clock
         self.sample_rate = sample_rate
         self._on_step = on_step
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
@@ -98,7 +86,7 @@ class VocoderBatcher:
         if not codes:
             return
         if not stream.pending:
-            stream.pending_since = self._clock()
+            stream.pending_since = time.monotonic()
         stream.pending.extend(codes)
         stream.num_codes += len(codes)
         self._wake.set()
@@ -122,7 +110,7 @@ class VocoderBatcher:
 
     def lag_s(self) -> float:
         """The largest lag behind real time among active streams (0 when none)."""
-        now = self._clock()
+        now = time.monotonic()
         return max((s.lag_s(now, self.sample_rate) for s in self._streams), default=0.0)
 
     async def _run(self) -> None:
@@ -141,10 +129,6 @@ class VocoderBatcher:
             self.num_open_sessions -= len(sessions)
             did_work = True
         ready = sorted((s for s in self._streams if s.pending), key=lambda s: s.pending_since)
-        if self.urgent_buffer_s is not None:
-            now = self._clock()
-            urgent = [s for s in ready if s.buffered_s(now, self.sample_rate) < self.urgent_buffer_s]
-            ready = urgent or ready
         ready = ready[: self.max_batch_size]
         if ready:
             work = [(s.session, s.pending) for s in ready]
@@ -175,7 +159,7 @@ class VocoderBatcher:
             return  # aborted while its step ran
         if len(pcm):
             if stream.first_pcm_at is None:
-                stream.first_pcm_at = self._clock()
+                stream.first_pcm_at = time.monotonic()
             stream.num_samples += len(pcm)
             stream.out.put_nowait(pcm)
 

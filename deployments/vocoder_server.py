@@ -32,7 +32,6 @@ class VocoderServer:
         from vocoder.streaming import build_for_serving
 
         kwargs = dict(vocoder_kwargs)
-        urgent_buffer_s = kwargs.pop("urgent_buffer_s", None)
         self._vocoder, warm = build_for_serving(kwargs.pop("preset"), **kwargs)
         if warm:
             logger.info("vocoder warm-up: %d graphs captured in %.1f s (%d steps)",
@@ -40,8 +39,8 @@ class VocoderServer:
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
-        self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
-                                       on_step=self._on_step, urgent_buffer_s=urgent_buffer_s)
+        self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size,
+                                       sample_rate=SAMPLE_RATE, on_step=self._on_step)
         self._num_active = 0
         self._metrics.active_streams.set(0)
 

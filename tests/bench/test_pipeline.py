@@ -28,8 +28,7 @@ def test_tiny_pipeline_yields_exactly_the_codes_as_pcm_and_times_them_after_the_
         pipeline, settings = build(args)
         assert settings["engine"] == {"model": "tiny", "device": "cpu", "kv_cache_bytes": 16 * 2**20,
                                       "max_num_running": 4}
-        assert settings["vocoder"] == {"preset": "tiny", "device": "cpu", "max_batch_size": 32,
-                                       "urgent_buffer_s": None}
+        assert settings["vocoder"] == {"preset": "tiny", "device": "cpu", "max_batch_size": 32}
         try:
             def make() -> object:
                 return pipeline.request("Hi there", max_new_tokens=CODES, min_new_tokens=CODES, seed=1,

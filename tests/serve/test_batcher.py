@@ -129,30 +129,3 @@ def test_close_closes_the_session_and_drops_its_output() -> None:
         await batcher.shutdown()
 
     asyncio.run(main())
-
-
-def test_urgent_streams_step_first_when_others_have_audio_buffered() -> None:
-    # 8 samples per second: each emitted code is 0.5 s of audio for the double.
-    async def main() -> None:
-        now = [0.0]
-        vocoder = RecordingVocoder()
-        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=8, urgent_buffer_s=1.0,
-                                 clock=lambda: now[0])
-        comfy = await batcher.open("v", seed=1)
-        batcher.push(comfy, [1, 2, 3, 4, 5])  # 3 codes leave: 1.5 s buffered from t = 0
-        first = await comfy.out.get()
-        assert len(first) == 3 * SAMPLES and comfy.buffered_s(now[0], 8) == 1.5
-        fresh = await batcher.open("v", seed=2)
-        batcher.push(comfy, [6])  # waiting longer, but 1.5 s >= 1.0 s buffered: not urgent
-        batcher.push(fresh, [7, 8, 9])  # no audio yet: urgent, steps alone first
-        assert (await fresh.out.get()).tolist() == [7.0] * SAMPLES
-        assert (await comfy.out.get()).tolist() == [4.0] * SAMPLES
-        assert vocoder.steps[1:] == [[("v-2", [7, 8, 9])], [("v-1", [6])]]  # then the rest, next round
-        now[0] = 1.25  # comfy: 2.0 - 1.25 = 0.75 s left, fresh: 0.5 - 1.25 < 0: both urgent, one step
-        batcher.push(comfy, [10])
-        batcher.push(fresh, [11])
-        await asyncio.gather(comfy.out.get(), fresh.out.get())
-        assert vocoder.steps[3:] == [[("v-1", [10]), ("v-2", [11])]]
-        await batcher.shutdown()
-
-    asyncio.run(main())
