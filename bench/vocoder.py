@@ -79,6 +79,19 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
     )
 
 
+def copy_vocoder(base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool) -> StreamingVocoder:
+    """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels."""
+    return StreamingVocoder(
+        base.config,
+        copy.deepcopy(base.flow),
+        copy.deepcopy(base.generator),
+        base.voices,
+        device=base.device,
+        dtype=dtype,
+        triton_kernels=triton_kernels,
+    )
+
+
 def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
     """A vocoder for one variant '<mode>-<dtype>' with the base's weights."""
     mode, dtype = variant.split("-", 1)
@@ -86,15 +99,7 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
         raise ValueError(f"unknown variant {variant!r}: modes {MODES}, dtypes {sorted(DTYPES)}")
     if variant == "eager-float32":
         return base
-    voc = StreamingVocoder(
-        base.config,
-        copy.deepcopy(base.flow),
-        copy.deepcopy(base.generator),
-        base.voices,
-        device=base.device,
-        dtype=DTYPES[dtype],
-        triton_kernels=mode in ("fused", "graphfused"),
-    )
+    voc = copy_vocoder(base, dtype=DTYPES[dtype], triton_kernels=mode in ("fused", "graphfused"))
     if mode in ("compile", "graphcompile"):
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
         voc.generator.compile(dynamic=True)

@@ -282,15 +282,7 @@ def main() -> None:
     base = StreamingVocoder.from_preset(
         args.preset, device=args.device, dtype=args.dtype, seed=0, triton_kernels=False
     )
-    fused = StreamingVocoder(
-        base.config,
-        copy.deepcopy(base.flow),
-        copy.deepcopy(base.generator),
-        base.voices,
-        device=base.device,
-        dtype=base.dtype,
-        triton_kernels=args.device.startswith("cuda"),
-    )
+    fused = bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=args.device.startswith("cuda"))
     result["fused_activations"] = sum(isinstance(m, FusedActivation1d) for m in fused.generator.modules())
     codes = np.random.default_rng(0).integers(0, 16384, 40).tolist()
     pcm = {}
