@@ -6,8 +6,10 @@
 Variants '<mode>-<dtype>': mode eager | graph (CUDA graphs of the per-chunk encoder, flow solve and
 BigVGAN, replayed per fixed chunk shape; see vocoder/graphs.py) | compile (torch.compile of BigVGAN and
 the estimator's transformer blocks, dynamic shapes) | graphcompile (both) | fused (the Triton kernels of
-vocoder/kernels/: BigVGAN's anti-aliased activation in one kernel, chunk attention in the estimator) |
-graphfused (fused + graphs). Every other mode runs the `bigvgan` package's modules and SDPA. The eager
+vocoder/kernels/: BigVGAN's anti-aliased activation in one kernel; in the estimator chunk attention, LayerNorm +
+linear (+ GELU, residual) and channel norm + Mish fused) | graphfused (fused + graphs) | graphpartial (graphs,
+the activation and attention kernels only: the fused mode before the estimator's norms and linears were
+fused). Every other mode runs the `bigvgan` package's modules and SDPA. The eager
 float32 row of the same run is the baseline (`speedup_vs_eager`).
 
 Rows, in this order (a partial JSON is written after each one with --out):
@@ -41,10 +43,11 @@ import torch
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
+from vocoder.flow_layers import CausalBlock, ChunkTransformer
 from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused")
+MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused", "graphpartial")
 
 
 class CheckFailed(RuntimeError):
@@ -79,9 +82,13 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
     )
 
 
-def copy_vocoder(base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool) -> StreamingVocoder:
-    """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels."""
-    return StreamingVocoder(
+def copy_vocoder(
+    base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True
+) -> StreamingVocoder:
+    """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels;
+    flow_fusion False keeps only the activation and chunk attention kernels (the estimator's norms,
+    linears and Mish in PyTorch)."""
+    voc = StreamingVocoder(
         base.config,
         copy.deepcopy(base.flow),
         copy.deepcopy(base.generator),
@@ -90,6 +97,13 @@ def copy_vocoder(base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: 
         dtype=dtype,
         triton_kernels=triton_kernels,
     )
+    if not flow_fusion:
+        for module in voc.flow.estimator.modules():
+            if isinstance(module, ChunkTransformer):
+                module.fuse_linears = False
+            elif isinstance(module, CausalBlock):
+                module.use_triton = False
+    return voc
 
 
 def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
@@ -99,14 +113,19 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
         raise ValueError(f"unknown variant {variant!r}: modes {MODES}, dtypes {sorted(DTYPES)}")
     if variant == "eager-float32":
         return base
-    voc = copy_vocoder(base, dtype=DTYPES[dtype], triton_kernels=mode in ("fused", "graphfused"))
+    voc = copy_vocoder(
+        base,
+        dtype=DTYPES[dtype],
+        triton_kernels=mode in ("fused", "graphfused", "graphpartial"),
+        flow_fusion=mode != "graphpartial",
+    )
     if mode in ("compile", "graphcompile"):
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
         voc.generator.compile(dynamic=True)
         for module in voc.flow.estimator.modules():
             if type(module).__name__ == "ChunkTransformer":
                 module.compile(dynamic=True)
-    if mode in ("graph", "graphcompile", "graphfused"):
+    if mode in ("graph", "graphcompile", "graphfused", "graphpartial"):
         voc.use_cuda_graphs()
     return voc
 
@@ -292,7 +311,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
     default_variants = (
-        "eager-float32,graph-bfloat16,graphfused-bfloat16,graphfused-float16" if on_cuda else "eager-float32"
+        "eager-float32,graph-bfloat16,graphpartial-bfloat16,graphfused-bfloat16,graphfused-float16"
+        if on_cuda
+        else "eager-float32"
     )
     if args.variants is None and args.dtype is not None:
         args.variants = ",".join(dict.fromkeys(["eager-float32", f"eager-{args.dtype}"]))

@@ -3,20 +3,24 @@
     python bench/vocoder_profile.py --preset full --device cuda --out bench/results/vocoder-profile-h200.json
 
 For each variant ("package": BigVGAN activations of the `bigvgan` package and SDPA in the estimator;
-"fused": the Triton kernels of vocoder/kernels/; same weights, bf16 by default, CUDA graphs on) it times with synchronised wall clocks:
+"fused": the Triton kernels of vocoder/kernels/; "partial": only the activation and chunk attention kernels,
+as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by default, CUDA
+graphs on) it times with synchronised wall clocks:
 - the first chunk of one stream (open, then the 5-code push), split into encoder, flow solve, BigVGAN and
   the rest (host work: windows, crossfade, copies);
 - steady steps of B streams pushing 25 codes each, same split.
 Before timing, the fused activation kernels are checked against the package's `Activation1d` on the GPU
 (float32 and bf16, short and long rows), the chunk attention kernel against SDPA, and the fused vocoder's
 PCM against the package one's on the same codes.
-Then one eager steady step is profiled with torch.profiler and kernels are summed by family.
+Then one eager steady step per --profile-batches is profiled with torch.profiler and kernels are summed by
+family (and counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -129,6 +133,87 @@ def check_attention(device: str) -> dict[str, float]:
             key = f"h{heads}d{dim}c{chunk}-{str(dtype).removeprefix('torch.')}"
             worst[key] = float((got - ref).abs().max())
     return worst
+
+
+def check_flow_fusion(device: str) -> dict[str, float]:
+    """Max abs difference of the fused estimator blocks (vocoder/kernels/flow_fused.py) vs their PyTorch
+    forward on the same weights and inputs: a transformer block and a causal block with a time bias."""
+    if not device.startswith("cuda"):
+        return {}
+    from vocoder.flow_layers import CausalBlock, ChunkTransformer, ConvCache
+
+    torch.manual_seed(2)
+    worst: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        block = ChunkTransformer(256, 8, 64, 4, 4).to(device, dtype)
+        causal = CausalBlock(256, 256).to(device, dtype)
+        for module in (block, causal):
+            for param in module.parameters():  # LayerNorm weights away from their 1 / 0 init
+                param.data.normal_(0.0, 0.1 if param.dim() == 1 else 0.06)
+        for rows, frames in ((2, 20), (1, 4), (128, 100)):
+            x = torch.randn(rows, frames, 256, device=device, dtype=dtype)
+            add = torch.randn(rows, 256, device=device, dtype=dtype)
+            got, ref = {}, {}
+            conv_in = x.transpose(1, 2).contiguous()
+            history = torch.randn(rows, 256, 2, device=device, dtype=dtype)
+            valid = torch.randint(1, frames + 1, (rows,), device=device)
+            for fused, out in ((True, got), (False, ref)):
+                block.use_triton = causal.use_triton = fused
+                block.fused_max_rows = 1 << 30
+                out["transformer"] = block(x).float()
+                out["causal_block"] = causal(conv_in, ConvCache(), add=add).float()
+                out["causal_block_shared_bias"] = causal(conv_in, ConvCache(), add=add[:1].expand(rows, -1)).float()
+                cache = ConvCache([history], valid)
+                out["causal_block_streaming"] = causal(conv_in, cache, add=add).float()
+                out["causal_block_cache_update"] = cache.updated[0].float()
+            for name, value in got.items():
+                assert value.shape == ref[name].shape and torch.isfinite(value).all(), name
+                key = f"{name}-{str(dtype).removeprefix('torch.')}"
+                worst[key] = max(worst.get(key, 0.0), float((value - ref[name]).abs().max()))
+                worst[f"{key}-ref_max_abs"] = max(worst.get(f"{key}-ref_max_abs", 0.0), float(ref[name].abs().max()))
+    return worst
+
+
+def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> dict[str, Any]:
+    """Microseconds per call of one estimator transformer block and one causal block (with a time bias),
+    fused kernels vs PyTorch (+ the chunk attention kernel), each replayed 200 times in a CUDA graph, by rows
+    (= batch rows x frames): where the fused path pays."""
+    if not device.startswith("cuda"):
+        return {}
+    from vocoder.flow_layers import CausalBlock, ChunkTransformer, ConvCache
+
+    torch.manual_seed(3)
+    block = ChunkTransformer(256, 8, 64, 4, 4).to(device, dtype)
+    causal = CausalBlock(256, 256).to(device, dtype)
+    block.use_triton, block.fused_max_rows = True, 1 << 30
+    out: dict[str, Any] = {}
+    for rows in rows_list:
+        x = torch.randn(1, rows, 256, device=device, dtype=dtype)
+        xc = x.transpose(1, 2).contiguous()
+        add = torch.randn(1, 256, device=device, dtype=dtype)
+        row: dict[str, float] = {}
+        for fused in (True, False):
+            block.fuse_linears = causal.use_triton = fused
+            calls = (
+                ("transformer", functools.partial(block, x)),
+                ("causal_block", lambda x=xc, add=add: causal(x, ConvCache(), add)),
+            )
+            for name, fn in calls:
+                for _ in range(2):
+                    fn()
+                sync()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(200):
+                        fn()
+                graph.replay()
+                sync()
+                t0 = time.perf_counter()
+                graph.replay()
+                sync()
+                row[f"{name}_{'fused' if fused else 'torch'}_us"] = round((time.perf_counter() - t0) / 200 * 1e6, 2)
+        out[str(rows)] = row
+    return out
 
 
 def first_chunk(voc: StreamingVocoder, split: Split, rounds: int) -> dict[str, Any]:
@@ -248,6 +333,7 @@ def profile_step(voc: StreamingVocoder, batch: int) -> dict[str, Any]:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {
         "batch": batch,
+        "kernels": sum(counts.values()),
         "kernel_ms_by_family": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
         "kernel_ms_total": round(sum(fams.values()), 2),
         "top_kernels": [{"name": k, "ms": round(v, 2), "calls": counts[k]} for k, v in top],
@@ -262,7 +348,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batches", default="1,64")
+    ap.add_argument("--block-rows", default="8,40,80,160,320,640,1280,2560,5120,12800")
+    ap.add_argument("--blocks-only", action="store_true", help="stop after the checks and block timings")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = False
@@ -278,25 +366,35 @@ def main() -> None:
 
     result["activation_check_max_abs"] = check_activation(args.device)
     result["attention_check_max_abs"] = check_attention(args.device)
+    result["flow_fusion_check_max_abs"] = check_flow_fusion(args.device)
+    result["flow_block_us"] = time_flow_blocks(
+        args.device, DTYPES[args.dtype], [int(r) for r in args.block_rows.split(",")]
+    )
     save()
+    if args.blocks_only:
+        return
     base = StreamingVocoder.from_preset(
         args.preset, device=args.device, dtype=args.dtype, seed=0, triton_kernels=False
     )
-    fused = bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=args.device.startswith("cuda"))
+    on_cuda = args.device.startswith("cuda")
+    fused = bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda)
+    partial = bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda, flow_fusion=False)
     result["fused_activations"] = sum(isinstance(m, FusedActivation1d) for m in fused.generator.modules())
     codes = np.random.default_rng(0).integers(0, 16384, 40).tolist()
     pcm = {}
-    for name, voc in (("package", base), ("fused", fused)):
+    variants = (("fused", fused), ("partial", partial), ("package", base))
+    for name, voc in variants:
         s = voc.open("default", seed=5)
         pcm[name] = np.concatenate([voc.push(s, codes[:17]), voc.push(s, codes[17:]), voc.finish(s)])
         assert len(pcm[name]) == 40 * SAMPLES_PER_CODE and np.isfinite(pcm[name]).all()
-    result["pcm_fused_vs_package"] = {
-        "max_abs": float(np.abs(pcm["fused"] - pcm["package"]).max()),
-        "pcm_std": float(pcm["package"].std()),
-    }
+    for name in ("fused", "partial"):
+        result[f"pcm_{name}_vs_package"] = {
+            "max_abs": float(np.abs(pcm[name] - pcm["package"]).max()),
+            "pcm_std": float(pcm["package"].std()),
+        }
     save()
     batches = [int(b) for b in args.batches.split(",")]
-    for name, voc in (("fused", fused), ("package", base)):
+    for name, voc in variants:
         voc.use_cuda_graphs()
         split = Split(voc)
         row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
@@ -305,9 +403,10 @@ def main() -> None:
         for b in batches:
             row[f"steady_{b}"] = steady(voc, split, b, args.steps)
             save()
-    for name, voc in (("fused", fused), ("package", base)):
-        result.setdefault("profile", {})[name] = profile_step(voc, args.profile_batch)
-        save()
+    for name, voc in variants:
+        for b in (int(x) for x in args.profile_batches.split(",")):
+            result.setdefault("profile", {}).setdefault(name, {})[f"batch_{b}"] = profile_step(voc, b)
+            save()
 
 
 if __name__ == "__main__":

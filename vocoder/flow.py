@@ -49,6 +49,17 @@ class FlowEstimator(nn.Module):
         self.final_block = CausalBlock(ch, ch)
         self.final_proj = nn.Conv1d(ch, NUM_MELS, 1)
 
+    @property
+    def resnets(self) -> list[CausalResnetBlock]:
+        """The resnet blocks in call order."""
+        return [self.down_res, *self.mid_res, self.up_res]
+
+    def time_biases(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """t [N] -> per resnet (call order) the [N, C] it adds after its first block: a function of t alone,
+        so an Euler solve computes those of all its steps at once."""
+        t_emb = self.time_embed(t)  # [N, tdim]
+        return [res.time_bias(t_emb) for res in self.resnets]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -57,16 +68,19 @@ class FlowEstimator(nn.Module):
         cond: torch.Tensor,
         t: torch.Tensor,
         cache: ConvCache,
+        time_biases: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x, mu, cond [B, 80, T]; spk [B, 80]; t [B] -> velocity [B, 80, T]."""
+        """x, mu, cond [B, 80, T]; spk [B, 80]; t [B] -> velocity [B, 80, T].
+
+        time_biases: `time_biases(t)` when the caller has it (then t is not read)."""
         h = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)  # [B, 320, T]
-        t_emb = self.time_embed(t)  # [B, tdim]
-        h = _transformers(self.down_tf, self.down_res(h, t_emb, cache))
+        biases = iter(self.time_biases(t) if time_biases is None else time_biases)
+        h = _transformers(self.down_tf, self.down_res(h, next(biases), cache))
         skip = h
         h = self.down_conv(h, cache)
         for res, tfs in zip(self.mid_res, self.mid_tf):
-            h = _transformers(tfs, res(h, t_emb, cache))
-        h = _transformers(self.up_tf, self.up_res(torch.cat([h, skip], dim=1), t_emb, cache))
+            h = _transformers(tfs, res(h, next(biases), cache))
+        h = _transformers(self.up_tf, self.up_res(torch.cat([h, skip], dim=1), next(biases), cache))
         h = self.up_conv(h, cache)
         return self.final_proj(self.final_block(h, cache))
 
@@ -90,6 +104,8 @@ class FlowDecoder(nn.Module):
         self.estimator = FlowEstimator(cfg.estimator)
         # cosine schedule: t_k = 1 - cos(pi/2 * k/K)
         self.t_span = [1.0 - math.cos(math.pi / 2 * k / cfg.num_steps) for k in range(cfg.num_steps + 1)]
+        # the steps' start times on the device (no host copy inside a captured CUDA graph); not a weight
+        self.register_buffer("step_times", torch.tensor(self.t_span[:-1], dtype=torch.float32), persistent=False)
 
     @property
     def num_branches(self) -> int:
@@ -137,12 +153,15 @@ class FlowDecoder(nn.Module):
             mu_in, spk_in, cond_in = mu, spk, cond
         valid_in = None if num_valid is None else num_valid.repeat(branches)  # [branches*B]
         new_caches: list[list[torch.Tensor]] = []
-        for k in range(self.cfg.num_steps):
+        steps = self.cfg.num_steps
+        t_all = self.step_times.to(x.dtype)  # [K]
+        biases = self.estimator.time_biases(t_all)  # per resnet [K, C]
+        for k in range(steps):
             t0, t1 = self.t_span[k], self.t_span[k + 1]
             cache = ConvCache(None if step_caches is None else step_caches[k], valid_in)
             x_in = x.repeat(branches, 1, 1)  # [branches*B, 80, T]
-            t = torch.full((branches * b,), t0, device=x.device, dtype=x.dtype)
-            v = self.estimator(x_in, mu_in, spk_in, cond_in, t, cache)
+            step_biases = [bias[k].expand(branches * b, -1) for bias in biases]  # same t on every row
+            v = self.estimator(x_in, mu_in, spk_in, cond_in, t_all[k], cache, step_biases)
             if branches == 2:
                 v_cond, v_uncond = v[:b], v[b:]
                 v = (1.0 + self.cfg.cfg_rate) * v_cond - self.cfg.cfg_rate * v_uncond

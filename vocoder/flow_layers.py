@@ -23,6 +23,15 @@ class ConvCache:
         self.num_valid = num_valid  # [B] long, new valid frames per row
         self.index = 0
         self.updated: list[torch.Tensor] = []
+        self._last_frames: dict[int, torch.Tensor] = {}  # context -> gather index [B, 1, ctx]
+
+    def take(self, x: torch.Tensor, context: int) -> torch.Tensor | None:
+        """The next conv's cache ([B, C, context]; None in whole-sequence mode), for a fused conv that
+        reads it in place and appends its updated cache itself (`extend` without the concatenation)."""
+        cache = None if self.caches is None else self.caches[self.index]
+        assert cache is None or cache.shape == (x.shape[0], x.shape[1], context), (cache.shape, x.shape)
+        self.index += 1
+        return cache
 
     def extend(self, x: torch.Tensor, context: int) -> torch.Tensor:
         """Prepend `context` frames of history: [B, C, T] -> [B, C, context + T]."""
@@ -34,8 +43,10 @@ class ConvCache:
             full = torch.cat([cache.to(x.dtype), x], dim=2)
         self.index += 1
         if self.num_valid is not None:
-            offsets = torch.arange(context, device=x.device)  # [ctx]
-            idx = (self.num_valid[:, None] + offsets[None, :])[:, None, :]  # [B, 1, ctx]
+            idx = self._last_frames.get(context)
+            if idx is None:  # the same positions for every conv of this context: built once per forward
+                offsets = torch.arange(context, device=x.device)  # [ctx]
+                idx = self._last_frames[context] = (self.num_valid[:, None] + offsets[None, :])[:, None, :]
             self.updated.append(torch.gather(full, 2, idx.expand(-1, x.shape[1], -1)))  # [B, C, ctx]
         return full
 
@@ -58,12 +69,36 @@ class CausalBlock(nn.Module):
         super().__init__()
         self.conv = CausalConv1d(dim, dim_out, 3)
         self.norm = nn.LayerNorm(dim_out)
+        self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/flow_fused.py
+        self._taps: torch.Tensor | None = None  # the conv weight as [taps, C_out, C_in] for the kernel
+        self._taps_key: tuple | None = None
 
-    def forward(self, x: torch.Tensor, cache: ConvCache) -> torch.Tensor:
-        """[B, C_in, T] -> [B, C_out, T]."""
+    def forward(self, x: torch.Tensor, cache: ConvCache, add: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, C_in, T] -> [B, C_out, T]; `add` [B, C_out] is added to every frame after the Mish."""
+        if self.use_triton and x.is_cuda:
+            return self._forward_fused(x, cache, add)
         h = self.conv(x, cache)  # [B, C, T]
-        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
-        return F.mish(h)
+        h = F.mish(self.norm(h.transpose(1, 2)).transpose(1, 2))
+        return h if add is None else h + add[:, :, None]
+
+    def _forward_fused(self, x: torch.Tensor, cache: ConvCache, add: torch.Tensor | None) -> torch.Tensor:
+        """The same block (and its cache update) in one Triton kernel (vocoder/kernels/flow_fused.py)."""
+        from vocoder.kernels.flow_fused import causal_conv_norm_mish
+
+        weight = self.conv.weight
+        key = (weight.data_ptr(), weight.dtype, weight._version)
+        if self._taps_key != key:  # [taps, C_out, C_in], rebuilt only when the weight changes
+            self._taps = weight.detach().permute(2, 0, 1).contiguous()
+            self._taps_key = key
+        context = self.conv.kernel_size[0] - 1
+        prev = cache.take(x, context)
+        n = self.norm
+        y, updated = causal_conv_norm_mish(
+            x, prev, self._taps, self.conv.bias, (n.weight, n.bias, n.eps), add, cache.num_valid
+        )
+        if updated is not None:
+            cache.updated.append(updated)
+        return y
 
 
 class CausalResnetBlock(nn.Module):
@@ -76,10 +111,13 @@ class CausalResnetBlock(nn.Module):
         self.block2 = CausalBlock(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, cache: ConvCache) -> torch.Tensor:
-        """x [B, C_in, T], t_emb [B, time_dim] -> [B, C_out, T]."""
-        h = self.block1(x, cache)
-        h = h + self.time_mlp(F.mish(t_emb))[:, :, None]
+    def time_bias(self, t_emb: torch.Tensor) -> torch.Tensor:
+        """t_emb [N, time_dim] -> the [N, C_out] added after block1 (a function of t alone)."""
+        return self.time_mlp(F.mish(t_emb))
+
+    def forward(self, x: torch.Tensor, time_bias: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """x [B, C_in, T], time_bias [B, C_out] (`time_bias(t_emb)`) -> [B, C_out, T]."""
+        h = self.block1(x, cache, add=time_bias)
         h = self.block2(h, cache)
         return h + self.res_conv(x)
 
@@ -91,6 +129,9 @@ class ChunkTransformer(nn.Module):
     from the causal convs.
     """
 
+    # Above this many rows cuBLAS's matmuls beat the fused kernels (bench/vocoder_profile.py measures both).
+    fused_max_rows = 1024
+
     def __init__(self, dim: int, num_heads: int, head_dim: int, ffn_mult: int, chunk: int):
         super().__init__()
         self.num_heads, self.head_dim, self.chunk = num_heads, head_dim, chunk
@@ -100,12 +141,15 @@ class ChunkTransformer(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.ff = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
         self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/chunk_attention.py
+        self.fuse_linears = True  # with use_triton: norms, linears, GELU, residuals fused (flow_fused.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C] -> [B, T, C] (frames as rows, so stacked blocks need no layout change between them);
         T must be a multiple of the chunk."""
         b, t, c = x.shape
         assert t % self.chunk == 0, (t, self.chunk)
+        if self.use_triton and x.is_cuda and self.fuse_linears and b * t <= self.fused_max_rows:
+            return self._forward_fused(x)
         h = x.reshape(b * t // self.chunk, self.chunk, c)  # [B*N, chunk, C]
         qkv = self.qkv(self.norm1(h))  # [B*N, chunk, 3*H*D]
         if self.use_triton and h.is_cuda:
@@ -119,6 +163,22 @@ class ChunkTransformer(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(h.shape[0], self.chunk, -1)
         h = h + self.out(a)
         h = h + self.ff(self.norm2(h))
+        return h.reshape(b, t, c)
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same block in 5 Triton kernels (vocoder/kernels/flow_fused.py): LN1+QKV, chunk attention,
+        out+residual, LN2+FF1+GELU, FF2+residual."""
+        from vocoder.kernels.chunk_attention import chunk_attention
+        from vocoder.kernels.flow_fused import fused_linear
+
+        b, t, c = x.shape
+        h = x.reshape(b * t, c)
+        n1, n2 = self.norm1, self.norm2
+        qkv = fused_linear(h, self.qkv.weight, norm=(n1.weight, n1.bias, n1.eps))
+        a = chunk_attention(qkv, self.num_heads, self.head_dim, self.chunk)
+        h = fused_linear(a, self.out.weight, self.out.bias, residual=h)
+        f = fused_linear(h, self.ff[0].weight, self.ff[0].bias, norm=(n2.weight, n2.bias, n2.eps), gelu=True)
+        h = fused_linear(f, self.ff[2].weight, self.ff[2].bias, residual=h)
         return h.reshape(b, t, c)
 
 

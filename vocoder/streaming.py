@@ -16,7 +16,7 @@ from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, VocoderConfig
 from vocoder.flow import FlowDecoder
-from vocoder.flow_layers import ChunkTransformer
+from vocoder.flow_layers import CausalBlock, ChunkTransformer
 from vocoder.graphs import GraphedFunction
 from vocoder.kernels import HAS_TRITON
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
@@ -108,7 +108,8 @@ class StreamingVocoder:
         self._graph_pool_generation = self.pool.generation
 
     def _enable_triton_kernels(self, requested: bool | None) -> bool:
-        """Fused anti-aliased activations in BigVGAN and chunk attention in the estimator (CUDA + Triton).
+        """Fused anti-aliased activations in BigVGAN; in the estimator chunk attention, fused LayerNorm +
+        linear (+ GELU, residual) and fused channel norm + Mish (CUDA + Triton).
 
         None: on wherever they can run. The PyTorch modules stay the reference; tests on the GPU machine
         (bench/vocoder_profile.py) check the kernels against them.
@@ -120,7 +121,7 @@ class StreamingVocoder:
         if enabled:
             fuse_activations(self.generator)
             for module in self.flow.estimator.modules():
-                if isinstance(module, ChunkTransformer):
+                if isinstance(module, (ChunkTransformer, CausalBlock)):
                     module.use_triton = True
         return enabled
 

@@ -1,0 +1,309 @@
+"""Fused Triton kernels of the flow estimator: fewer launches per Euler step.
+
+At a first chunk the estimator runs on a few dozen rows, and each of its ~900 kernels per Euler step costs
+its launch and ramp more than its work (bench/results/vocoder-profile-*.json). Two fusions:
+
+- `fused_linear`: y = act(LN(x) @ W^T + b) + r, the LayerNorm in the prologue and bias, exact GELU and
+  residual in the epilogue; a transformer block becomes LN1+QKV, attention, out+residual, LN2+FF1+GELU,
+  FF2+residual (5 kernels instead of ~10). Narrow tiles for few rows: above ~400 rows cuBLAS's matmuls
+  win (measured in bench/vocoder_profile.py), and ChunkTransformer routes by row count.
+- `causal_conv_norm_mish`: a whole CausalBlock, the causal conv reading its left context straight from the
+  stream's cache, LayerNorm over channels, Mish and the resnet's time bias, plus the cache update: one
+  kernel instead of a concatenation, layout conversions around the conv, the conv, a transposed norm,
+  the Mish, the add and the cache gather.
+
+Rounding follows the PyTorch modules they replace: each intermediate the module would store in the
+activation dtype (conv and linear outputs, the norm's output, the GELU's output) is rounded to it here
+too; arithmetic is float32. bench/vocoder_profile.py checks both against the modules on the GPU.
+Only imported when Triton is present (see vocoder/kernels/__init__.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_GELU_NONE, _GELU_ERF = 0, 1
+
+
+@triton.jit
+def _fused_linear_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    g_ptr,
+    beta_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    eps,
+    HAS_LN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # With HAS_LN, BK == K: the program holds whole rows, so the norm's statistics need no second read.
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * K
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * K
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k_mask = (k0 + rk) < K
+        x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_LN:  # mean and biased variance over the row, as torch.layer_norm
+            xf = x.to(tl.float32)
+            mean = tl.sum(xf, 1) / K
+            d = tl.where(k_mask[None, :], xf - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / K + eps)
+            g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            bb = tl.load(beta_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            x = (d * rstd[:, None] * g[None, :] + bb[None, :]).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_cols + (k0 + rk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # W^T tile
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the linear's stored output
+    if ACT == 1:  # exact GELU (nn.GELU default)
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+    out_off = rm[:, None].to(tl.int64) * N + rn[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RES:
+        y += tl.load(r_ptr + out_off, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + out_off, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] -> [M, N]: `gelu?(layer_norm?(x) @ weight.T + bias) + residual`.
+
+    weight [N, K] (an nn.Linear's), bias [N], norm (LayerNorm weight [K], bias [K], eps), residual [M, N];
+    all in x's dtype on one CUDA device. float32 runs the dot in IEEE float32 (no TF32). Built for the
+    few-row steps (first chunks): narrow column tiles spread a small matrix over many programs, each
+    reading its rows whole (K <= 256 with a norm) or in 256-wide slices.
+    """
+    assert x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    x, weight = x.contiguous(), weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    assert k % 16 == 0, k
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    if residual is not None:
+        assert residual.shape == (m, n), (residual.shape, (m, n))
+        residual = residual.contiguous()
+    bk = triton.next_power_of_2(k) if norm is not None else min(256, triton.next_power_of_2(k))
+    if norm is not None and bk > 256:
+        raise ValueError(f"fused_linear holds normalised rows whole: K <= 256, got {k}")
+    gamma, beta, eps = norm if norm is not None else (weight, weight, 0.0)
+    bm = 16 if m <= 16 else 32
+    bn = 32
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fused_linear_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        gamma.contiguous(),
+        beta.contiguous(),
+        residual if residual is not None else y,
+        y,
+        m,
+        n,
+        k,
+        float(eps),
+        HAS_LN=norm is not None,
+        HAS_BIAS=bias is not None,
+        ACT=_GELU_ERF if gelu else _GELU_NONE,
+        HAS_RES=residual is not None,
+        IEEE=x.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        num_warps=4,
+        num_stages=2,
+    )
+    return y
+
+
+@triton.jit
+def _causal_conv_norm_mish_kernel(
+    x_ptr,
+    cache_ptr,
+    w_ptr,
+    cb_ptr,
+    g_ptr,
+    beta_ptr,
+    add_ptr,
+    valid_ptr,
+    y_ptr,
+    upd_ptr,
+    CI,
+    CO,
+    T,
+    add_stride,
+    eps,
+    HAS_CACHE: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+    IEEE: tl.constexpr,
+    CTX: tl.constexpr,
+    BCO: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    co = tl.arange(0, BCO)
+    co_mask = co < CO
+    rk = tl.arange(0, BK)
+    x_row = x_ptr + b * CI * T
+    cache_row = cache_ptr + b * CI * CTX
+    acc = tl.zeros([BCO, BT], tl.float32)
+    for j in tl.static_range(CTX + 1):  # tap j reads input frame t + j - CTX (negative: the cache)
+        src = t + (j - CTX)
+        for k0 in range(0, CI, BK):
+            ci = k0 + rk
+            ci_mask = ci < CI
+            w = tl.load(
+                w_ptr + j * CO * CI + co[:, None] * CI + ci[None, :],
+                mask=co_mask[:, None] & ci_mask[None, :],
+                other=0.0,
+            )  # [BCO, BK] of tap j ([taps, C_out, C_in] layout)
+            v = tl.load(
+                x_row + ci[:, None] * T + src[None, :],
+                mask=ci_mask[:, None] & ((src >= 0) & (src < T))[None, :],
+                other=0.0,
+            )  # [BK, BT]
+            if HAS_CACHE:
+                v += tl.load(
+                    cache_row + ci[:, None] * CTX + (src + CTX)[None, :],
+                    mask=ci_mask[:, None] & ((src < 0) & (src >= -CTX))[None, :],
+                    other=0.0,
+                )
+            if IEEE:
+                acc = tl.dot(w, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, v, acc)
+    h = acc + tl.load(cb_ptr + co, mask=co_mask, other=0.0).to(tl.float32)[:, None]
+    h = h.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv's stored output
+    mask = co_mask[:, None] & (t < T)[None, :]
+    h = tl.where(mask, h, 0.0)
+    mean = tl.sum(h, 0) / CO
+    d = tl.where(mask, h - mean[None, :], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / CO + eps)
+    g = tl.load(g_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+    bb = tl.load(beta_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+    h = (d * rstd[None, :] * g[:, None] + bb[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
+    sp = tl.where(h > 20.0, h, tl.log(1.0 + tl.exp(tl.minimum(h, 20.0))))  # softplus >= 0
+    e = tl.exp(-2.0 * sp)
+    y = h * (1.0 - e) / (1.0 + e)  # mish = h * tanh(softplus(h))
+    if HAS_ADD:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(add_ptr + b * add_stride + co, mask=co_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + b * CO * T + co[:, None] * T + t[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if HAS_UPDATE:  # noqa: SIM102 - the row's new cache: the last CTX of [cache | x] before its padding
+        if tl.program_id(1) == 0:
+            nv = tl.load(valid_ptr + b)
+            c = tl.arange(0, CTX)
+            src_u = nv + c - CTX  # frame in x; negative: frame CTX + src_u of the old cache
+            for k0 in range(0, CI, BK):
+                ci = k0 + rk
+                ci_mask = ci < CI
+                u = tl.load(
+                    x_row + ci[:, None] * T + src_u[None, :],
+                    mask=ci_mask[:, None] & (src_u >= 0)[None, :],
+                    other=0.0,
+                )
+                if HAS_CACHE:
+                    u += tl.load(
+                        cache_row + ci[:, None] * CTX + (src_u + CTX)[None, :],
+                        mask=ci_mask[:, None] & (src_u < 0)[None, :],
+                        other=0.0,
+                    )
+                tl.store(upd_ptr + b * CI * CTX + ci[:, None] * CTX + c[None, :], u, mask=ci_mask[:, None])
+
+
+def causal_conv_norm_mish(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    taps: torch.Tensor,
+    conv_bias: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float],
+    add: torch.Tensor | None = None,
+    num_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The estimator's whole CausalBlock in one kernel: causal conv (kernel CTX + 1) over [cache | x],
+    LayerNorm over the channels of each frame, Mish, + add[b, c].
+
+    x [B, C_in, T]; cache [B, C_in, CTX] or None (zeros: a stream's start); taps [CTX + 1, C_out, C_in]
+    (`conv.weight.permute(2, 0, 1)`); norm (weight, bias, eps) over C_out; num_valid [B]: new valid frames
+    per row, for the updated cache (the last CTX frames of [cache | x] before row b's padding), returned
+    as [B, C_in, CTX], or None without num_valid.
+    """
+    assert x.is_cuda and x.dim() == 3 and taps.dim() == 3
+    x = x.contiguous()
+    b, ci, t = x.shape
+    ctx, co = taps.shape[0] - 1, taps.shape[1]
+    assert taps.shape[2] == ci and ctx >= 1 and ctx & (ctx - 1) == 0, (taps.shape, x.shape)
+    if cache is not None:
+        assert cache.shape == (b, ci, ctx), (cache.shape, (b, ci, ctx))
+        cache = cache.to(x.dtype).contiguous()
+    y = torch.empty(b, co, t, device=x.device, dtype=x.dtype)
+    upd = None if num_valid is None else torch.empty(b, ci, ctx, device=x.device, dtype=x.dtype)
+    if add is not None:
+        assert add.shape == (b, co), (add.shape, (b, co))
+        if add.stride(1) != 1:
+            add = add.contiguous()
+    gamma, beta, eps = norm
+    bco = triton.next_power_of_2(co)
+    bt = 16
+    _causal_conv_norm_mish_kernel[(b, triton.cdiv(t, bt))](
+        x,
+        cache if cache is not None else x,
+        taps,
+        conv_bias.contiguous(),
+        gamma.contiguous(),
+        beta.contiguous(),
+        add if add is not None else x,
+        num_valid if num_valid is not None else x,
+        y,
+        upd if upd is not None else y,
+        ci,
+        co,
+        t,
+        add.stride(0) if add is not None else 0,
+        float(eps),
+        HAS_CACHE=cache is not None,
+        HAS_ADD=add is not None,
+        HAS_UPDATE=upd is not None,
+        IEEE=x.dtype == torch.float32,
+        CTX=ctx,
+        BCO=bco,
+        BT=bt,
+        BK=32,
+        num_warps=8,
+    )
+    return y, upd
