@@ -10,6 +10,7 @@ import torch
 
 from vocoder.config import HOP_LENGTH, BigVGANConfig, VocoderConfig
 from vocoder.flow import FlowDecoder
+from vocoder.flow_layers import ConvCache
 from vocoder.make_default_voice import make_voice
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
 from vocoder.noise import frame_noise
@@ -184,3 +185,36 @@ def test_check_codes_accepts_int_sequences_only() -> None:
         check_codes("12")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an integer"):
         check_codes(np.array([1.0]))
+
+
+def test_solve_equals_euler_steps_with_per_row_time_embedding() -> None:
+    """`solve` computes the time biases of all Euler steps at once; the result must equal integrating with
+    the estimator embedding each row's t itself (as it does when no biases are given)."""
+    torch.manual_seed(1)
+    flow = FlowDecoder(VocoderConfig.preset("tiny").flow).eval()
+    flow.cfg = dataclasses.replace(flow.cfg, cfg_rate=0.0)  # one branch: the loop below is plain Euler
+    mu, cond, noise = (torch.randn(2, 80, 12) for _ in range(3))
+    spk = torch.randn(2, 80)
+    got, _ = flow.solve(mu, spk, cond, noise)
+    x = noise.clone()
+    with torch.no_grad():
+        for k in range(flow.cfg.num_steps):
+            t0, t1 = flow.t_span[k], flow.t_span[k + 1]
+            cache = ConvCache()
+            x = x + (t1 - t0) * flow.estimator(x, mu, spk, cond, torch.full((2,), t0), cache)
+    assert got.shape == x.shape == (2, 80, 12)
+    assert torch.allclose(got, x, atol=1e-5)
+    assert float((got - noise).abs().mean()) > 0.1
+
+
+def test_conv_cache_take_hands_out_caches_in_call_order() -> None:
+    caches = [torch.full((2, 3, 2), float(i)) for i in range(3)]
+    cache = ConvCache(caches, torch.tensor([4, 1]))
+    x = torch.zeros(2, 3, 4)
+    assert cache.take(x, 2) is caches[0]
+    full = cache.extend(x, 2)  # the second conv, unfused
+    assert torch.equal(full[:, :, :2], caches[1]) and cache.index == 2
+    assert torch.equal(cache.updated[0][0], torch.zeros(3, 2))  # row 0: 4 new frames, the last 2 of x
+    assert torch.equal(cache.updated[0][1], torch.tensor([[1.0, 0.0]] * 3))  # row 1: old frame 1, new 0
+    assert cache.take(x, 2) is caches[2]
+    assert ConvCache().take(x, 2) is None
