@@ -147,6 +147,7 @@ def check_flow_fusion(device: str) -> dict[str, float]:
     for dtype in (torch.float32, torch.bfloat16):
         block = ChunkTransformer(256, 8, 64, 4, 4).to(device, dtype)
         causal = CausalBlock(256, 256).to(device, dtype)
+        block.fused_max_rows = 1 << 30  # the fused path at every row count checked
         for module in (block, causal):
             for param in module.parameters():  # LayerNorm weights away from their 1 / 0 init
                 param.data.normal_(0.0, 0.1 if param.dim() == 1 else 0.06)
@@ -159,7 +160,6 @@ def check_flow_fusion(device: str) -> dict[str, float]:
             valid = torch.randint(1, frames + 1, (rows,), device=device)
             for fused, out in ((True, got), (False, ref)):
                 block.use_triton = causal.use_triton = fused
-                block.fused_max_rows = 1 << 30
                 out["transformer"] = block(x).float()
                 out["causal_block"] = causal(conv_in, ConvCache(), add=add).float()
                 out["causal_block_shared_bias"] = causal(conv_in, ConvCache(), add=add[:1].expand(rows, -1)).float()
@@ -176,10 +176,12 @@ def check_flow_fusion(device: str) -> dict[str, float]:
 
 def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> dict[str, Any]:
     """Microseconds per call of one estimator transformer block and one causal block (with a time bias),
-    fused kernels vs PyTorch (+ the chunk attention kernel), each replayed 200 times in a CUDA graph, by rows
-    (= batch rows x frames): where the fused path pays."""
+    fused kernels vs PyTorch (+ the chunk attention kernel), 200 calls captured in one CUDA graph
+    (`bench.fast_tools.graph_us_per_call`: median replay / 200), by rows (= batch rows x frames): where the
+    fused path pays."""
     if not device.startswith("cuda"):
         return {}
+    from bench.fast_tools import graph_us_per_call
     from vocoder.flow_layers import CausalBlock, ChunkTransformer, ConvCache
 
     torch.manual_seed(3)
@@ -199,19 +201,7 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
                 ("causal_block", lambda x=xc, add=add: causal(x, ConvCache(), add)),
             )
             for name, fn in calls:
-                for _ in range(2):
-                    fn()
-                sync()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(200):
-                        fn()
-                graph.replay()
-                sync()
-                t0 = time.perf_counter()
-                graph.replay()
-                sync()
-                row[f"{name}_{'fused' if fused else 'torch'}_us"] = round((time.perf_counter() - t0) / 200 * 1e6, 2)
+                row[f"{name}_{'fused' if fused else 'torch'}_us"] = round(graph_us_per_call([fn] * 200), 2)
         out[str(rows)] = row
     return out
 

@@ -35,13 +35,8 @@ class ConvCache:
 
     def extend(self, x: torch.Tensor, context: int) -> torch.Tensor:
         """Prepend `context` frames of history: [B, C, T] -> [B, C, context + T]."""
-        if self.caches is None:
-            full = F.pad(x, (context, 0))
-        else:
-            cache = self.caches[self.index]
-            assert cache.shape == (x.shape[0], x.shape[1], context), (cache.shape, x.shape, context)
-            full = torch.cat([cache.to(x.dtype), x], dim=2)
-        self.index += 1
+        cache = self.take(x, context)
+        full = F.pad(x, (context, 0)) if cache is None else torch.cat([cache.to(x.dtype), x], dim=2)
         if self.num_valid is not None:
             idx = self._last_frames.get(context)
             if idx is None:  # the same positions for every conv of this context: built once per forward

@@ -149,6 +149,24 @@ def fused_linear(
 
 
 @triton.jit
+def _history_frames(x_row, cache_row, ci, ci_mask, src, T, HAS_CACHE: tl.constexpr, CTX: tl.constexpr):
+    """[channels ci, frames src] of one row's [cache | x]: src in [0, T) reads x, src in [-CTX, 0) the
+    cache (zeros without one: a stream's start); anything else reads 0."""
+    v = tl.load(
+        x_row + ci[:, None] * T + src[None, :],
+        mask=ci_mask[:, None] & ((src >= 0) & (src < T))[None, :],
+        other=0.0,
+    )
+    if HAS_CACHE:
+        v += tl.load(
+            cache_row + ci[:, None] * CTX + (src + CTX)[None, :],
+            mask=ci_mask[:, None] & ((src < 0) & (src >= -CTX))[None, :],
+            other=0.0,
+        )
+    return v
+
+
+@triton.jit
 def _causal_conv_norm_mish_kernel(
     x_ptr,
     cache_ptr,
@@ -192,17 +210,7 @@ def _causal_conv_norm_mish_kernel(
                 mask=co_mask[:, None] & ci_mask[None, :],
                 other=0.0,
             )  # [BCO, BK] of tap j ([taps, C_out, C_in] layout)
-            v = tl.load(
-                x_row + ci[:, None] * T + src[None, :],
-                mask=ci_mask[:, None] & ((src >= 0) & (src < T))[None, :],
-                other=0.0,
-            )  # [BK, BT]
-            if HAS_CACHE:
-                v += tl.load(
-                    cache_row + ci[:, None] * CTX + (src + CTX)[None, :],
-                    mask=ci_mask[:, None] & ((src < 0) & (src >= -CTX))[None, :],
-                    other=0.0,
-                )
+            v = _history_frames(x_row, cache_row, ci, ci_mask, src, T, HAS_CACHE, CTX)  # [BK, BT]
             if IEEE:
                 acc = tl.dot(w, v, acc, input_precision="ieee")
             else:
@@ -232,17 +240,7 @@ def _causal_conv_norm_mish_kernel(
             for k0 in range(0, CI, BK):
                 ci = k0 + rk
                 ci_mask = ci < CI
-                u = tl.load(
-                    x_row + ci[:, None] * T + src_u[None, :],
-                    mask=ci_mask[:, None] & (src_u >= 0)[None, :],
-                    other=0.0,
-                )
-                if HAS_CACHE:
-                    u += tl.load(
-                        cache_row + ci[:, None] * CTX + (src_u + CTX)[None, :],
-                        mask=ci_mask[:, None] & (src_u < 0)[None, :],
-                        other=0.0,
-                    )
+                u = _history_frames(x_row, cache_row, ci, ci_mask, src_u, T, HAS_CACHE, CTX)
                 tl.store(upd_ptr + b * CI * CTX + ci[:, None] * CTX + c[None, :], u, mask=ci_mask[:, None])
 
 
