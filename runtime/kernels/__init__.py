@@ -2,8 +2,19 @@
 
 `import triton` is guarded: on a machine without Triton (the CPU CI) this package still imports,
 `HAS_TRITON` is False and the fast path uses its pure-PyTorch ops instead (runtime/fast_ops.py).
+
+Programmatic dependent launch (PDL, Hopper and newer): inside `pdl_launches(mode)` the decode kernels are
+launched so that each may start while the kernel before it is still running. Every such kernel waits for
+its predecessor (`griddepcontrol.wait`) before it reads anything a predecessor wrote or writes anything,
+so results are identical; what overlaps is a kernel's launch and scheduling with its predecessor's last
+wave. Modes: "off" (ordinary launches) and "wait" (each kernel waits at its start, then lets its
+successor launch). A third mode that also prefetched the GEMV's weight rows into L2 before the wait was
+slower on the H200 (docs/gpu.md) and was removed.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 try:  # pragma: no cover - depends on the machine
     import triton  # noqa: F401
@@ -13,4 +24,35 @@ try:  # pragma: no cover - depends on the machine
 except ImportError:  # pragma: no cover - CPU CI has no triton
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON"]
+PDL_MODES = ("off", "wait")
+_pdl = {"mode": "off"}
+
+
+def pdl_mode() -> str:
+    """The launch mode kernels use now (see the module docstring)."""
+    return _pdl["mode"]
+
+
+@contextmanager
+def pdl_launches(mode: str) -> Iterator[None]:
+    """Launch the fast-path kernels in `mode` (one of PDL_MODES) inside the block."""
+    if mode not in PDL_MODES:
+        raise ValueError(f"PDL mode must be one of {PDL_MODES}, got {mode!r}")
+    before = _pdl["mode"]
+    _pdl["mode"] = mode
+    try:
+        yield
+    finally:
+        _pdl["mode"] = before
+
+
+def pdl_supported(device_capability: tuple[int, int]) -> bool:
+    """PDL needs compute capability 9.0+ and a Triton that has the griddepcontrol intrinsics."""
+    if not HAS_TRITON or device_capability[0] < 9:
+        return False
+    import triton.language as tl
+
+    return hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+__all__ = ["HAS_TRITON", "PDL_MODES", "pdl_launches", "pdl_mode", "pdl_supported"]

@@ -14,12 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -50,12 +53,12 @@ def add_rmsnorm(
     warps = 8 if block >= 4096 else 4
     if residual is None:
         _add_rmsnorm_kernel[(n_rows,)](x, x, weight, out, x, n_cols, eps, HAS_RES=False, BLOCK=block,
-                                       num_warps=warps)
+                                       num_warps=warps, **pdl_args())
         return out, x
     assert residual.is_contiguous() and residual.shape == x.shape
     summed = torch.empty_like(x)
     _add_rmsnorm_kernel[(n_rows,)](x, residual, weight, out, summed, n_cols, eps, HAS_RES=True, BLOCK=block,
-                                   num_warps=warps)
+                                   num_warps=warps, **pdl_args())
     return out, summed
 
 
@@ -63,8 +66,10 @@ def add_rmsnorm(
 def _qk_norm_rope_store_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program = one row x HEADS_BLOCK of its H + 2KV heads, as a [HEADS_BLOCK, D] tile
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
@@ -121,13 +126,14 @@ def qk_norm_rope_store(
     _qk_norm_rope_store_kernel[grid](
         qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, eps,
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HEADS_BLOCK=heads_block,
-        num_warps=1 if heads_block == 1 else 2,
+        num_warps=1 if heads_block == 1 else 2, **pdl_args(),
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -145,5 +151,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_inter // 2
     out = torch.empty(n_rows, inter, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
-    _silu_mul_kernel[(n_rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(n_rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4,
+                                                            **pdl_args())
     return out

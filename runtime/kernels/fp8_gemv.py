@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 MAX_ROWS = 16
 
 
@@ -20,10 +22,12 @@ MAX_ROWS = 16
         triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=4),
         triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=6),
     ],
-    key=["N", "K"],
+    key=["N", "K"],  # not USE_PDL: both modes use the same tiles
 )
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m = tl.arange(0, 16)
@@ -52,5 +56,5 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(n_dim, meta["BLOCK_N"]),)
 
-    _fp8_gemv_kernel[grid](x, w, scale, out, m_rows, n_dim, k_dim)
+    _fp8_gemv_kernel[grid](x, w, scale, out, m_rows, n_dim, k_dim, **pdl_args())
     return out

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 
 def _dot_precision(q: torch.Tensor) -> str:
     """float32 inputs multiply in full precision (checks against float32 references), not TF32."""
@@ -27,8 +29,9 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, seq_lens_ptr, scale, max_blocks,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -76,8 +79,9 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, out_ptr, NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # seq * H + head
     p = tl.arange(0, NUM_PARTS)
     d = tl.arange(0, HEAD_DIM)
@@ -141,11 +145,11 @@ def paged_decode_attention(
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )
     if num_parts > 1:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
-                                                     HEAD_DIM=head_dim, num_warps=2)
+                                                     HEAD_DIM=head_dim, num_warps=2, **pdl_args())
     return out
 
 
