@@ -7,6 +7,7 @@ out[N] = prologue(x) @ W.T, W [N, K] bf16 or FP8 (then times a per-row scale). P
 - SILU_MUL: x = [gate, up] of length 2K; silu(gate) * up.
 Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
 rows with wide loads and reduces along K once at the end (no tensor cores: one row of x).
+Under PDL (runtime/kernels/__init__.py) a program may be scheduled while the previous kernel runs.
 """
 from __future__ import annotations
 
@@ -14,36 +15,64 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 NONE, RMSNORM, SILU_MUL = 0, 1, 2
 
 
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": 8, "BLOCK_K": 512}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 4, "BLOCK_K": 1024}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_N": 8, "BLOCK_K": 2048}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024}, num_warps=8, num_stages=2),
-    ],
-    key=["N", "K", "PROLOGUE", "HAS_RES", "HAS_SCALE"],
-)
+# Tiles (BLOCK_N, BLOCK_K, warps) per (weight bytes per element, N, K) of the full model's matrices: chosen
+# from H200 sweeps of each matrix alone with cold L2 (bench/gemv_tune.py), then by coordinate descent inside
+# the captured one-stream decode step (bench/gemv_tune.py --in-step; bench/results/gemv-tune-*-h200.json).
+# A fixed table instead of Triton's autotuner: the autotuner times each shape on one L2-warm matrix in
+# isolation; it picked tiles up to 18% slower than the best (QKV 20.7 vs 17.5 us) and its choices varied
+# from process to process.
+TILES = {
+    (2, 6144, 4096): (8, 512, 4),  # qkv
+    (2, 4096, 4096): (16, 1024, 8),  # o
+    (2, 24576, 4096): (16, 512, 4),  # gate_up
+    (2, 4096, 12288): (4, 1024, 4),  # down
+    (2, 151680, 4096): (16, 512, 4),  # text head
+    (2, 16512, 4096): (16, 512, 4),  # audio head
+    (1, 6144, 4096): (8, 512, 4),
+    (1, 4096, 4096): (4, 1024, 4),
+    (1, 24576, 4096): (32, 512, 8),
+    (1, 4096, 12288): (8, 1024, 4),
+    (1, 151680, 4096): (16, 256, 4),
+    (1, 16512, 4096): (16, 256, 4),
+}
+
+
+WEIGHT_FIRST = {"on": True}  # the kernel's load order; bench/gemv_tune.py times both, serving leaves it on
+
+
+def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) for an [n, k] weight: the table's, else by the nearest kind of matrix."""
+    if (elem_bytes, n, k) in TILES:
+        return TILES[(elem_bytes, n, k)]
+    if n >= 65536:  # a head
+        return (16, 512, 4) if elem_bytes == 2 else (16, 256, 4)
+    if k > n:  # a down projection
+        return (4, 1024, 4) if elem_bytes == 2 else (8, 1024, 4)
+    return (16, 512, 4) if elem_bytes == 2 else (8, 512, 4)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, N, K, eps,
-    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = n < N
+    tile = tl.arange(0, BLOCK_K)
+    pdl_enter(USE_PDL)
     act_ty = x_ptr.dtype.element_ty
     rstd = 0.0
     if PROLOGUE == 1:
         ss = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+            k = k0 + tile
             xv = tl.load(x_ptr + k)
             if HAS_RES:
                 xv = (xv.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
@@ -54,7 +83,11 @@ def _gemv_kernel(
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+        k = k0 + tile
+        # the weight load first: issued before the prologue's math, whose latency it then covers
+        # (bench/gemv_tune.py --in-step times the step both ways; WEIGHT_FIRST=False is only for that)
+        if WEIGHT_FIRST:
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None], other=0.0)
         if PROLOGUE == 0:
             xv = tl.load(x_ptr + k).to(tl.float32)
         elif PROLOGUE == 1:
@@ -68,7 +101,8 @@ def _gemv_kernel(
             u = tl.load(x_ptr + K + k).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
             xv = (a * u).to(act_ty).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None], other=0.0)
+        if not WEIGHT_FIRST:
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None], other=0.0)
         acc += w.to(tl.float32) * xv[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
@@ -87,7 +121,8 @@ def gemv(
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
     n_dim, k_dim = weight.shape
     assert x.shape[1] == (2 * k_dim if prologue == SILU_MUL else k_dim)
-    assert k_dim % 2048 == 0, "K must be a multiple of the largest BLOCK_K"
+    block_n, block_k, warps = gemv_tile(weight.element_size(), n_dim, k_dim)
+    assert k_dim % block_k == 0, f"K ({k_dim}) must be a multiple of BLOCK_K ({block_k})"
     out = torch.empty(1, n_dim, device=x.device, dtype=x.dtype)
     res_out = x
     has_res = prologue == RMSNORM and residual is not None
@@ -96,13 +131,10 @@ def gemv(
         res_out = torch.empty_like(x)
     if prologue == RMSNORM:
         assert norm_weight is not None
-
-    def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(n_dim, meta["BLOCK_N"]),)
-
-    _gemv_kernel[grid](
+    _gemv_kernel[(triton.cdiv(n_dim, block_n),)](
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
-        PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None,
+        PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        WEIGHT_FIRST=WEIGHT_FIRST["on"], num_warps=warps, num_stages=1, **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

@@ -1,0 +1,252 @@
+"""Tile shapes of the one-row GEMV (runtime/kernels/gemv.py) for the four layer matrices, bf16 and FP8.
+
+    python bench/gemv_tune.py --out bench/results/gemv-tune-h200.json
+    python bench/gemv_tune.py --in-step --out bench/results/gemv-tune-step-h200.json
+
+Each matrix runs with the prologue the decode step gives it (QKV, gate/up and the heads: residual add +
+RMSNorm; o: none; down: SiLU-mul). For every launch shape (BLOCK_N x BLOCK_K, warps) the output is first
+checked against a float32 reference, then timed per call inside a CUDA graph of 16 calls over 4 weight
+copies (2 for the text head), so L2 holds none of them. In the same run: `gemv()` as the serving path
+calls it (the tile of its table, runtime/kernels/gemv.py TILES), cuBLAS on the same bf16 matrix without
+a prologue (the plain product), and the device copy rate (the memory roofline). Pipeline stages are not
+swept: an earlier sweep of 1, 2 and 3 found them within 1% of each other everywhere.
+
+`--in-step` tunes the table where it is used: the full random-weight model's one-stream decode step
+(512-token context, CUDA graph, audio tail on its own stream as in serving, PDL as `--pdl`) is captured
+and timed once per candidate tile of one matrix at a time (coordinate descent over the matrices, 8
+candidate tiles each), for FP8 "gemv", bf16 "gemv" and bf16 "mixed" (o and down only) in that order.
+Before that, each mode's step is also timed with the kernel's weight load placed after the prologue's
+math instead of before it (the kernel's earlier order), as the same-run baseline of that change.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from bench.fast_tools import copy_bandwidth_gbps, graph_us_per_call, log
+from runtime.fp8 import quantize_weight
+from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
+
+MATRICES = {"qkv": (6144, 4096, RMSNORM), "o": (4096, 4096, NONE), "gate_up": (24576, 4096, RMSNORM),
+            "down": (4096, 12288, SILU_MUL), "text_head": (151680, 4096, RMSNORM),
+            "audio_head": (16512, 4096, RMSNORM)}
+CALLS = 16
+
+
+def shapes() -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_K, warps): tiles of 2k-32k elements, 8 warps from 16k elements up, and the same
+    tiles with the other warp count from 8k up."""
+    out = set()
+    for bn in (4, 8, 16, 32):
+        for bk in (256, 512, 1024, 2048):
+            if 2048 <= bn * bk <= 32768:
+                out.add((bn, bk, 8 if bn * bk >= 16384 else 4))
+                if bn * bk >= 8192:
+                    out.add((bn, bk, 4 if bn * bk >= 16384 else 8))
+    return sorted(out)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, prologue: int, res: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """float32 prologue(x) @ w.T (w already dequantized)."""
+    xf = x.float()
+    if prologue == RMSNORM:
+        xf = xf + res.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+    elif prologue == SILU_MUL:
+        g, u = xf.chunk(2, dim=1)
+        xf = F.silu(g) * u
+    return xf @ w.float().t()
+
+
+def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps):
+    n, k = w.shape
+    _gemv_kernel[(triton_cdiv(n, bn),)](
+        x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
+        PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
+        BLOCK_N=bn, BLOCK_K=bk, WEIGHT_FIRST=True, num_warps=warps, num_stages=1)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
+              (32, 512, 8)]
+
+
+def tune_in_step(args: argparse.Namespace) -> dict:
+    """Coordinate descent on runtime.kernels.gemv.TILES, timing the captured one-stream decode step."""
+    from bench.fast_tools import Blocks, make_rows, plain_inputs, time_ms
+    from runtime.config import ModelConfig
+    from runtime.cuda_graph import DecodeGraphRunner
+    from runtime.fast_forward import FastForward
+    from runtime.fast_ops import TritonOps
+    from runtime.fused import fuse_model_weights, with_fp8
+    from runtime.kernels import gemv as gemv_mod
+    from runtime.kv_cache import allocate_kv_cache
+    from runtime.model import build_model
+
+    dev = torch.device("cuda")
+    t_start = time.perf_counter()
+    config = ModelConfig.preset("full")
+    model = build_model(config, seed=0, device=dev, dtype=torch.bfloat16)
+    weights = fuse_model_weights(model)
+    fp8_weights = with_fp8(weights, "all")
+    bs, ctx = 16, 512
+    cache = allocate_kv_cache(config, 64, bs, dev, torch.bfloat16)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    table = Blocks(0).take(ctx + 1, bs)
+    tok, aud, pos, attn = plain_inputs(make_rows(1, 101), [(1, ctx + 1, table)], bs, dev)
+    run_args = (tok, aud, pos, attn.slot_mapping, torch.tensor([table], dtype=torch.int32, device=dev),
+                torch.full((1,), ctx + 1, dtype=torch.int32, device=dev))
+    ops = TritonOps()
+    layer_keys = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    head_keys = [(config.vocab_size, 4096), (config.audio_vocab_size, 4096)]
+    plan = [("fp8_gemv", fp8_weights, "gemv", [(1, *k) for k in layer_keys + head_keys]),
+            ("bf16_gemv", weights, "gemv", [(2, *k) for k in layer_keys + head_keys]),
+            ("bf16_mixed", weights, "mixed", [(2, 4096, 4096), (2, 4096, 12288)])]
+    out: dict = {"context_len": ctx, "pdl": args.pdl, "start_table": {str(k): v for k, v in gemv_mod.TILES.items()},
+                 "modes": []}
+    for name, w, one_row, keys in plan:
+        fast = FastForward(w, ops, one_row=one_row, pdl=args.pdl)
+
+        def step(fast: FastForward = fast) -> tuple[float, tuple[torch.Tensor, torch.Tensor]]:
+            runner = DecodeGraphRunner(fast, cache, max_model_len=1024, buckets=[1])
+            runner.capture()
+            logits = tuple(x.clone() for x in runner.run(*run_args))
+            ms = time_ms(runner.graphs[1].replay, 3, 20)["median_ms"]
+            del runner
+            return ms, logits
+
+        gemv_mod.WEIGHT_FIRST["on"] = False
+        late_ms, late_logits = step()
+        gemv_mod.WEIGHT_FIRST["on"] = True
+        start_ms, ref = step()
+        best_ms = start_ms
+        trials = []
+        for key in keys:
+            for tile in CANDIDATES:
+                if tile == gemv_mod.TILES[key] or time.perf_counter() - t_start > args.budget_s:
+                    continue
+                before = gemv_mod.TILES[key]
+                gemv_mod.TILES[key] = tile
+                ms, logits = step()
+                drift = max(float((a - b).abs().max()) for a, b in zip(logits, ref, strict=True))
+                finite = all(bool(torch.isfinite(x).all()) for x in logits)
+                trials.append({"key": list(key), "tile": list(tile), "step_ms": ms, "max_abs_logit_drift": drift,
+                               "finite": finite})
+                if finite and drift < 1.0 and ms < best_ms:
+                    best_ms = ms
+                else:
+                    gemv_mod.TILES[key] = before
+            log(f"{name} {key}: {gemv_mod.TILES[key]} -> step {best_ms:.3f} ms")
+        end_ms, _ = step()
+        out["modes"].append({"mode": name, "weight_load_after_prologue_step_ms": late_ms,
+                             "load_order_logits_equal": all(torch.equal(a, b) for a, b in zip(late_logits, ref)),
+                             "start_step_ms": start_ms, "best_step_ms": best_ms,
+                             "final_table_step_ms": end_ms,
+                             "table": {str(k): list(gemv_mod.TILES[k]) for k in keys}, "trials": trials})
+        log(f"{name}: weight load after the prologue {late_ms:.3f} ms; first {start_ms:.3f} -> tuned {end_ms:.3f} ms")
+    out["final_table"] = {str(k): list(v) for k, v in gemv_mod.TILES.items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--in-step", action="store_true", help="tune inside the decode step (see the docstring)")
+    ap.add_argument("--pdl", default="off", help="--in-step: the PDL mode of the step")
+    args = ap.parse_args()
+    if args.in_step:
+        result = {"bench": "gemv_tune_in_step",
+                  "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
+                  "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  **tune_in_step(args)}
+        print(json.dumps(result))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return
+    t_start = time.perf_counter()
+    dev = torch.device("cuda")
+    result: dict = {"bench": "gemv_tune", "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
+                    "device_name": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                    "copy_gbps": round(copy_bandwidth_gbps(dev), 1), "matrices": []}
+    log(f"copy {result['copy_gbps']} GB/s")
+    torch.manual_seed(0)
+    for name, (n, k, prologue) in MATRICES.items():
+        x_len = 2 * k if prologue == SILU_MUL else k
+        x = torch.randn(1, x_len, device=dev, dtype=torch.bfloat16)
+        res = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(k, device=dev)).to(torch.bfloat16)
+        res_out = torch.empty_like(res)
+        copies = 2 if n > 100000 else 4
+        bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for dtype in ("bf16", "fp8"):
+            mats = [(w, None) for w in bf] if dtype == "bf16" else [
+                (q.weight, q.scale) for q in map(quantize_weight, bf)]
+            w0, s0 = mats[0]
+            deq = w0.float() * (s0[:, None] if s0 is not None else 1.0)
+            ref = reference(x, deq, prologue, res, nw)[0]  # [N]
+            tol = 0.02 * float(ref.abs().max()) + 1e-3
+            row: dict = {"matrix": name, "n": n, "k": k, "dtype": dtype, "bytes": w0.numel() * w0.element_size(),
+                         "ref_abs_max": round(float(ref.abs().max()), 4), "tolerance": round(tol, 5), "shapes": []}
+            kw = {"prologue": prologue, "residual": res if prologue == RMSNORM else None,
+                  "norm_weight": nw if prologue == RMSNORM else None}
+            calls = [functools.partial(gemv, x, mats[i % copies][0], scale=mats[i % copies][1], **kw)
+                     for i in range(CALLS)]
+            got = gemv(x, w0, scale=s0, **kw)[0][0].float()
+            us = graph_us_per_call(calls)
+            row["table"] = {"tile": gemv_tile(w0.element_size(), n, k), "us": round(us, 2),
+                            "gbps": round(row["bytes"] / us / 1e3, 1),
+                            "max_abs_err": round(float((got - ref).abs().max()), 5)}
+            if dtype == "bf16" and prologue == NONE:
+                us = graph_us_per_call([functools.partial(F.linear, x, bf[i % copies]) for i in range(CALLS)])
+                row["cublas_no_prologue"] = {"us": round(us, 2), "gbps": round(row["bytes"] / us / 1e3, 1)}
+            for bn, bk, warps in shapes():
+                if time.perf_counter() - t_start > args.budget_s:
+                    row["shapes"].append({"skipped": "time budget"})
+                    break
+                out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+                entry: dict = {"block_n": bn, "block_k": bk, "warps": warps}
+                try:
+                    launch(x, res, nw, res_out, w0, s0, out, prologue, bn, bk, warps)
+                    err = float((out[0].float() - ref).abs().max())
+                    entry["max_abs_err"] = round(err, 5)
+                    if not (err <= tol):
+                        entry["ok"] = False
+                    else:
+                        outs = [torch.empty(1, n, device=dev, dtype=torch.bfloat16) for _ in range(CALLS)]
+                        us = graph_us_per_call([functools.partial(
+                            launch, x, res, nw, res_out, mats[i % copies][0], mats[i % copies][1], outs[i],
+                            prologue, bn, bk, warps) for i in range(CALLS)])
+                        entry.update(ok=True, us=round(us, 2), gbps=round(row["bytes"] / us / 1e3, 1))
+                except Exception as exc:  # noqa: BLE001 - reported in the JSON
+                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                row["shapes"].append(entry)
+            timed = [e for e in row["shapes"] if "us" in e]
+            row["best"] = min(timed, key=lambda e: e["us"]) if timed else None
+            log(f"{name} {dtype}: table {row['table']} best {row['best']}")
+            result["matrices"].append(row)
+        del bf, mats
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
