@@ -223,3 +223,38 @@ def test_engine_fp8_option() -> None:
         if is_stop_row(rows[-1]):
             break
     assert seq.rows[len(prompt):] == rows[len(prompt):] and len(rows) > len(prompt)
+
+
+def test_pdl_launch_mode_is_scoped_and_validated() -> None:
+    from runtime.kernels import pdl_launches, pdl_mode
+
+    assert pdl_mode() == "off"
+    with pdl_launches("wait"):
+        assert pdl_mode() == "wait"
+        with pdl_launches("off"):
+            assert pdl_mode() == "off"
+        assert pdl_mode() == "wait"
+    assert pdl_mode() == "off"
+    with pytest.raises(RuntimeError, match="boom"), pdl_launches("wait"):
+        raise RuntimeError("boom")
+    assert pdl_mode() == "off"  # restored after an error inside the block
+    with pytest.raises(ValueError, match="PDL mode must be one of"), pdl_launches("prefetch"):
+        pass
+
+
+def test_launch_options_are_validated_and_inert_off_cuda(model: MossSpeechForCausalLM) -> None:
+    weights = fuse_model_weights(model)
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        FastForward(weights, TorchOps(), pdl="early")
+    fast = FastForward(weights, TorchOps(), pdl="wait", parallel_tails=True)
+    assert fast.pdl == "off" and fast.tail_stream is None  # PyTorch ops, CPU: neither applies
+    cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
+    rows = make_rows(5, 7)
+    tokens, is_audio, positions, attn = _plain_step(model, cache, [(rows, 5, [0, 1])])
+    step = StepInputs.from_metadata(tokens, is_audio, positions, attn)
+    text, audio = fast(step, cache)
+    want_text, want_audio = model(tokens, is_audio, positions, allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu",
+                                                                                 torch.float32), attn)
+    assert text.shape == (1, CONFIG.vocab_size) and audio.shape == (1, CONFIG.audio_vocab_size)
+    torch.testing.assert_close(text, want_text, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(audio, want_audio, rtol=1e-4, atol=1e-4)
