@@ -47,6 +47,7 @@ from runtime.cuda_graph import DecodeGraphRunner, PrefillGraphRunner
 from runtime.fast_forward import FastForward, StepInputs
 from runtime.fast_ops import TritonOps
 from runtime.fused import fuse_model_weights, with_fp8
+from runtime.kernels import pdl_supported
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
 
@@ -65,7 +66,7 @@ def float32_checks(model: MossSpeechForCausalLM, ops: TritonOps, prompt: list, b
     out: dict = {}
     weights32 = fuse_model_weights(model32)
     for name, one_row in (("cublas", "cublas"), ("one_row_gemv", "gemv"), ("mixed", "mixed"), ("mixed2", "mixed2")):
-        fast = FastForward(weights32, ops, one_row=one_row)
+        fast = FastForward(weights32, ops, one_row=one_row, pdl="off", parallel_tails=False)
         runner = DecodeGraphRunner(fast, cache, max_model_len=128, buckets=[1])
         runner.capture()
         got = greedy(graph_stepper(fast, runner, cache, blocks.take(64, bs)), short, GREEDY_STEPS)
@@ -103,6 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--launch-variants", default="pdl,tails2,pdl+tails2",
+                   help="launch options timed beside the plain graphs: pdl (where the GPU supports it), tails2")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -161,10 +164,11 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     cache.k.normal_(0, 1)
     cache.v.normal_(0, 1)
     weights = fuse_model_weights(model)
-    fast = FastForward(weights, ops, one_row="cublas")
-    fast_g = FastForward(weights, ops, one_row="gemv" if use_gemv else "cublas")
-    fast_m = FastForward(weights, ops, one_row="mixed" if use_gemv else "cublas")
-    fast_m2 = FastForward(weights, ops, one_row="mixed2" if use_gemv else "cublas")
+    seq = {"parallel_tails": False, "pdl": "off"}  # the plain graphs; launch options are timed as variants below
+    fast = FastForward(weights, ops, one_row="cublas", **seq)
+    fast_g = FastForward(weights, ops, one_row="gemv" if use_gemv else "cublas", **seq)
+    fast_m = FastForward(weights, ops, one_row="mixed" if use_gemv else "cublas", **seq)
+    fast_m2 = FastForward(weights, ops, one_row="mixed2" if use_gemv else "cublas", **seq)
     result["weight_matrix_bytes_bf16"] = weights.matrix_bytes()
     log(f"model ready; matrices {weights.matrix_bytes() / 1e9:.2f} GB; cache {num_blocks} blocks")
 
@@ -209,14 +213,40 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     # --- decode timings ---
     ctx = args.context_len
     fp8_weights = with_fp8(weights, "all")
-    fast8 = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row="cublas")
-    fast8_g = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row="gemv" if use_gemv else "cublas")
+    fast8 = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row="cublas", **seq)
+    fast8_g = FastForward(fp8_weights, ops, fp8_small_batch=fp8_small, one_row="gemv" if use_gemv else "cublas",
+                          **seq)
     runner8 = DecodeGraphRunner(fast8, cache, max_model_len=args.max_model_len, buckets=batch_sizes)
     runner8_g = DecodeGraphRunner(fast8_g, cache, max_model_len=args.max_model_len, buckets=[1])
     runner8.capture()
     runner8_g.capture()
     result["weight_matrix_bytes_fp8"] = fp8_weights.matrix_bytes()
     log("fp8 graphs captured")
+    # the same graphs with launch options: "+pdl" (programmatic dependent launch of the Triton kernels) and
+    # "+tails2" (audio tail and head on a second stream beside the text ones); their logits must be identical
+    variants = [v for v in args.launch_variants.split(",") if v]
+    if not pdl_supported(torch.cuda.get_device_capability(device)):
+        variants = [v for v in variants if "pdl" not in v]
+    result["launch_variants"] = variants
+    extra_b1: dict[str, tuple[DecodeGraphRunner, object]] = {}
+    extra_batched: dict[str, tuple[DecodeGraphRunner, object]] = {}
+    for v in variants:
+        opts = {"pdl": "wait" if "pdl" in v else "off", "pdl_max_rows": 1 << 30, "parallel_tails": "tails2" in v}
+        for name, w, one_row in (("gemv", weights, "gemv"), ("mixed", weights, "mixed"),
+                                 ("fp8_gemv", fp8_weights, "gemv")):
+            r = DecodeGraphRunner(FastForward(w, ops, fp8_small_batch=fp8_small, one_row=one_row, **opts), cache,
+                                  max_model_len=args.max_model_len, buckets=[1])
+            r.capture()
+            extra_b1[f"fast_graph_{name}+{v}"] = (r, w)
+        r = DecodeGraphRunner(FastForward(weights, ops, one_row="cublas", **opts), cache,
+                              max_model_len=args.max_model_len, buckets=batch_sizes)
+        r.capture()
+        extra_batched[f"fast_graph+{v}"] = (r, weights)
+    if variants:
+        r, _ = extra_b1[f"fast_graph_gemv+{variants[-1]}"]
+        result["greedy_bf16"][f"one_row_gemv+{variants[-1]}"] = greedy_report(
+            want, greedy(graph_stepper(r.forward, r, cache, blocks.take(64, bs)), short, GREEDY_STEPS))
+        log(f"launch-variant graphs captured ({variants})")
     decode, profiles = [], {}
     for b in batch_sizes:
         blk = Blocks(blocks.next)
@@ -225,16 +255,19 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
         step_in = StepInputs.from_metadata(tok, aud, pos, attn, num_parts=fast.decode_num_parts(b, ctx + 1))
         run_args = (tok, aud, pos, attn.slot_mapping, torch.tensor(tables, dtype=torch.int32, device=device),
                     torch.full((b,), ctx + 1, dtype=torch.int32, device=device))
-        graphs = {"fast_graph": (runner, weights), "fast_graph_fp8": (runner8, fp8_weights)}
+        graphs = {"fast_graph": (runner, weights), "fast_graph_fp8": (runner8, fp8_weights), **extra_batched}
         if b == 1:
             graphs.update({"fast_graph_gemv": (runner_g, weights), "fast_graph_mixed": (runner_m, weights),
                            "fast_graph_mixed2": (runner_m2, weights),
-                           "fast_graph_fp8_gemv": (runner8_g, fp8_weights)})
+                           "fast_graph_fp8_gemv": (runner8_g, fp8_weights), **extra_b1})
         logits = {name: tuple(x.clone() for x in r.run(*run_args)) for name, (r, _) in graphs.items()}
         p_logits = model(tok, aud, pos, cache, attn)
         kv_bytes = b * (ctx + 1) * kv_bytes_per_block(config, 1, bf16)
         entry: dict = {"batch": b, "context_len": ctx, "kv_read_bytes": kv_bytes,
-                       "vs_plain": {k: logit_compare(v, p_logits) for k, v in logits.items()}}
+                       "vs_plain": {k: logit_compare(v, p_logits) for k, v in logits.items()},
+                       # launch options change order only: logits must equal the same graph's without them
+                       "launch_variant_vs_plain_graph_max_abs": {k: max(float((a - c).abs().max()) for a, c in zip(
+                           v, logits[k.split("+")[0]], strict=True)) for k, v in logits.items() if "+" in k}}
         variants = {"plain_eager": (functools.partial(model, tok, aud, pos, cache, attn), weights),
                     "fast_eager": (functools.partial(fast, step_in, cache), weights)}
         for name, (r, w) in graphs.items():
@@ -248,7 +281,8 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
         log(f"decode B={b}: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in variants))
         decode.append(entry)
         if b in (1, max(batch_sizes)):
-            for name in ("fast_graph", "fast_graph_mixed", "fast_graph_fp8_gemv"):
+            for name in ("fast_graph", "fast_graph_mixed", "fast_graph_fp8_gemv",
+                         *(n for n in [*extra_b1, *extra_batched] if "tails2" in n)):
                 if name in variants:
                     try:
                         profiles[f"{name}_b{b}"] = kernel_table(variants[name][0])
@@ -277,9 +311,16 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     prefill["padded_graph_vs_eager"] = logit_compare(
         tuple(x.clone() for x in prefill_runner.run(s_tok, s_aud, s_pos, s_attn.slot_mapping, table_t, short_n)),
         fast(StepInputs.from_metadata(s_tok, s_aud, s_pos, s_attn), cache))
+    tails_runner = PrefillGraphRunner(FastForward(weights, ops, one_row="cublas", pdl="off", parallel_tails=True), cache,
+                                      max_model_len=args.max_model_len, buckets=sorted({args.prompt_len, 512}))
+    tails_runner.capture()
+    graph_prefill_tails = functools.partial(tails_runner.run, tok, aud, pos, attn.slot_mapping, table_t, len(prompt))
+    prefill["graph_tails2_vs_graph"] = logit_compare(tuple(x.clone() for x in graph_prefill_tails()),
+                                                     tuple(x.clone() for x in graph_prefill()))
     for name, fn in {"plain_eager": functools.partial(model, tok, aud, pos, cache, attn),
                      "fast_eager": functools.partial(fast, step_in, cache),
                      "fast_graph": graph_prefill,
+                     "fast_graph+tails2": graph_prefill_tails,
                      "fast_eager_fp8": functools.partial(fast8, step_in, cache)}.items():
         t = time_ms(fn, 3, 10)
         prefill[name] = {**t, "tflops": round(flops / (t["median_ms"] / 1e3) / 1e12, 1)}
@@ -317,6 +358,7 @@ def summarize(fast: dict) -> dict:
         name = min((n for n in names if n in entry), key=lambda n: entry[n]["median_ms"])
         return name, entry[name]
 
+    launch_variants = fast.get("launch_variants", [])
     for key, batch, names in (("decode_bf16_b1", 1, ("fast_graph", "fast_graph_gemv", "fast_graph_mixed",
                                                         "fast_graph_mixed2")),
                               ("decode_bf16_b64", 64, ("fast_graph",)), ("decode_bf16_b128", 128, ("fast_graph",)),
@@ -324,6 +366,7 @@ def summarize(fast: dict) -> dict:
         if batch not in by_batch:
             continue
         entry = by_batch[batch]
+        names = names + tuple(f"{n}+{v}" for n in names for v in launch_variants)
         name, t = best(entry, names)
         out[key] = {"variant": name, "median_ms": t["median_ms"], "target_ms": TARGETS_MS[key],
                     "meets_target": t["median_ms"] <= TARGETS_MS[key],
@@ -331,7 +374,8 @@ def summarize(fast: dict) -> dict:
                     "speedup_vs_plain": round(entry["plain_eager"]["median_ms"] / t["median_ms"], 2),
                     "weight_plus_kv_gbps": t["weight_plus_kv_gbps"], "copy_fraction": t["copy_fraction"]}
     pre = fast["prefill"]
-    name = min(("fast_eager", "fast_graph"), key=lambda n: pre[n]["median_ms"])
+    name = min((n for n in ("fast_eager", "fast_graph", "fast_graph+tails2") if n in pre),
+               key=lambda n: pre[n]["median_ms"])
     out["prefill_512"] = {"variant": name, "median_ms": pre[name]["median_ms"], "target_ms": TARGETS_MS["prefill_512"],
                           "meets_target": pre[name]["median_ms"] <= TARGETS_MS["prefill_512"],
                           "plain_eager_ms": pre["plain_eager"]["median_ms"], "tflops": pre[name]["tflops"],
