@@ -9,7 +9,8 @@ the estimator's transformer blocks, dynamic shapes) | graphcompile (both) | fuse
 vocoder/kernels/: BigVGAN's anti-aliased activation in one kernel; in the estimator chunk attention, LayerNorm +
 linear (+ GELU, residual) and channel norm + Mish fused) | graphfused (fused + graphs) | graphpartial (graphs,
 the activation and attention kernels only: the fused mode before the estimator's norms and linears were
-fused). Every other mode runs the `bigvgan` package's modules and SDPA. The eager
+fused) | graphnopdl (graphfused with the Triton kernels launched without programmatic dependent launch:
+the same-run baseline of PDL). Every other mode runs the `bigvgan` package's modules and SDPA. The eager
 float32 row of the same run is the baseline (`speedup_vs_eager`).
 
 Rows, in this order (a partial JSON is written after each one with --out):
@@ -47,7 +48,7 @@ from vocoder.flow_layers import CausalBlock, ChunkTransformer
 from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused", "graphpartial")
+MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused", "graphpartial", "graphnopdl")
 
 
 class CheckFailed(RuntimeError):
@@ -83,7 +84,8 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
 
 
 def copy_vocoder(
-    base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True
+    base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True,
+    pdl: str = "auto",
 ) -> StreamingVocoder:
     """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels;
     flow_fusion False keeps only the activation and chunk attention kernels (the estimator's norms,
@@ -96,6 +98,7 @@ def copy_vocoder(
         device=base.device,
         dtype=dtype,
         triton_kernels=triton_kernels,
+        pdl=pdl,
     )
     if not flow_fusion:
         for module in voc.flow.estimator.modules():
@@ -116,8 +119,9 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
     voc = copy_vocoder(
         base,
         dtype=DTYPES[dtype],
-        triton_kernels=mode in ("fused", "graphfused", "graphpartial"),
+        triton_kernels=mode in ("fused", "graphfused", "graphpartial", "graphnopdl"),
         flow_fusion=mode != "graphpartial",
+        pdl="off" if mode == "graphnopdl" else "auto",
     )
     if mode in ("compile", "graphcompile"):
         # Tensor-in/tensor-out modules only; the conv-cache bookkeeping stays eager.
@@ -125,7 +129,7 @@ def build(base: StreamingVocoder, variant: str) -> StreamingVocoder:
         for module in voc.flow.estimator.modules():
             if type(module).__name__ == "ChunkTransformer":
                 module.compile(dynamic=True)
-    if mode in ("graph", "graphcompile", "graphfused", "graphpartial"):
+    if mode in ("graph", "graphcompile", "graphfused", "graphpartial", "graphnopdl"):
         voc.use_cuda_graphs()
     return voc
 

@@ -6,12 +6,13 @@ import dataclasses
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from runtime.kernels import PDL_MODES, pdl_launches, pdl_supported
 from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, VocoderConfig
@@ -29,6 +30,18 @@ _F = MEL_FRAMES_PER_CODE
 _EMPTY = np.zeros(0, dtype=np.float32)
 PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_many`
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows with bucket_shapes
+
+
+def _pdl_scoped(fn: Callable, mode: str) -> Callable:
+    """`fn` with its Triton kernels launched in PDL `mode` (captured graphs keep the launch attributes)."""
+    if mode == "off":
+        return fn
+
+    def scoped(*args, **kwargs):
+        with pdl_launches(mode):
+            return fn(*args, **kwargs)
+
+    return scoped
 
 
 class StreamingVocoder:
@@ -53,6 +66,7 @@ class StreamingVocoder:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         triton_kernels: bool | None = None,
+        pdl: str = "auto",
     ):
         config.validate()
         self.config = config
@@ -62,6 +76,7 @@ class StreamingVocoder:
         self.generator = generator.to(device=self.device, dtype=dtype).eval()
         self.voices = voices
         self.triton_kernels = self._enable_triton_kernels(triton_kernels)
+        self.pdl = self._resolve_pdl(pdl)
         exact_left, exact_right = receptive_field_frames(self.generator)
         stream = config.stream
         self.is_low_latency = stream.latency == "low"
@@ -91,9 +106,9 @@ class StreamingVocoder:
         self._primed: OrderedDict[tuple[str, int], tuple] = OrderedDict()
         self.num_primed_hits = 0
         # Per-chunk tensor functions; `use_cuda_graphs` swaps in graph-replaying wrappers.
-        self._encode = self.flow.encoder
-        self._flow_step = self._solve_from_pool
-        self._generate = self.generator
+        self._encode, self._flow_step, self._generate = (
+            _pdl_scoped(fn, self.pdl) for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
+        )
         self._graphed: list[GraphedFunction] = []
         self._scratch_slot: int | None = None
         self._bucket_shapes = False
@@ -125,6 +140,16 @@ class StreamingVocoder:
                     module.use_triton = True
         return enabled
 
+    def _resolve_pdl(self, pdl: str) -> str:
+        """Programmatic dependent launch of the Triton kernels (runtime/kernels/__init__.py): "auto" = "wait"
+        where the kernels run and the GPU supports it, else "off". Results are the same either way."""
+        if pdl not in (*PDL_MODES, "auto"):
+            raise ValueError(f"pdl must be one of {(*PDL_MODES, 'auto')}, got {pdl!r}")
+        if pdl == "auto":
+            supported = self.triton_kernels and pdl_supported(torch.cuda.get_device_capability(self.device))
+            return "wait" if supported else "off"
+        return pdl if self.triton_kernels else "off"
+
     def use_cuda_graphs(self, *, max_graphs: int | None = None, bucket_shapes: bool = False) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.
 
@@ -138,7 +163,7 @@ class StreamingVocoder:
             max_graphs = 128 if bucket_shapes else 32
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._graphed = [
-            GraphedFunction(fn, max_graphs=max_graphs, pool=pool)
+            GraphedFunction(_pdl_scoped(fn, self.pdl), max_graphs=max_graphs, pool=pool)
             for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
         ]
         self._encode, self._flow_step, self._generate = self._graphed

@@ -9,10 +9,12 @@ its predecessor (`griddepcontrol.wait`) before it reads anything a predecessor w
 so results are identical; what overlaps is a kernel's launch and scheduling with its predecessor's last
 wave. Modes: "off" (ordinary launches) and "wait" (each kernel waits at its start, then lets its
 successor launch). A third mode that also prefetched the GEMV's weight rows into L2 before the wait was
-slower on the H200 (docs/gpu.md) and was removed.
+slower on the H200 (docs/gpu.md) and was removed. The mode is per thread (an engine thread and a vocoder
+thread of one process do not see each other's), and the vocoder's kernels use the same helpers.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,12 +27,12 @@ except ImportError:  # pragma: no cover - CPU CI has no triton
     HAS_TRITON = False
 
 PDL_MODES = ("off", "wait")
-_pdl = {"mode": "off"}
+_pdl = threading.local()
 
 
 def pdl_mode() -> str:
-    """The launch mode kernels use now (see the module docstring)."""
-    return _pdl["mode"]
+    """The launch mode kernels launched from this thread use now (see the module docstring)."""
+    return getattr(_pdl, "mode", "off")
 
 
 @contextmanager
@@ -38,12 +40,12 @@ def pdl_launches(mode: str) -> Iterator[None]:
     """Launch the fast-path kernels in `mode` (one of PDL_MODES) inside the block."""
     if mode not in PDL_MODES:
         raise ValueError(f"PDL mode must be one of {PDL_MODES}, got {mode!r}")
-    before = _pdl["mode"]
-    _pdl["mode"] = mode
+    before = pdl_mode()
+    _pdl.mode = mode
     try:
         yield
     finally:
-        _pdl["mode"] = before
+        _pdl.mode = before
 
 
 def pdl_supported(device_capability: tuple[int, int]) -> bool:

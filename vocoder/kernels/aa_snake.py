@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 
 @triton.jit
 def _snake_coefficients(alpha_ptr, beta_ptr, c, LOG_SCALE: tl.constexpr, HAS_BETA: tl.constexpr):
@@ -47,7 +49,9 @@ def _aa_snake_kernel(
     LOG_SCALE: tl.constexpr,
     HAS_BETA: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, row % C, LOG_SCALE, HAS_BETA)
 
@@ -111,6 +115,7 @@ def _aa_snake_gather_kernel(
     LOG_SCALE: tl.constexpr,
     HAS_BETA: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Each program makes BLOCK - 8 outputs; the snake runs once per upsampled position.
 
@@ -119,6 +124,7 @@ def _aa_snake_gather_kernel(
     reads se at lanes l + 2 .. l + 7 and so at lanes l + 1 .. l + 6 (tl.gather across the block):
     y[t] = sum_a hd[2a + 1] se[t + a - 2] + hd[2a] so[t + a - 3].
     """
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, row % C, LOG_SCALE, HAS_BETA)
 
@@ -190,7 +196,7 @@ def aa_snake(
         warps = num_warps or 1
         grid = (bsz * channels, triton.cdiv(length, block - 8))
         _aa_snake_gather_kernel[grid](
-            x, y, *alpha_beta, *filters, channels, length, **flags, BLOCK=block, num_warps=warps
+            x, y, *alpha_beta, *filters, channels, length, **flags, BLOCK=block, num_warps=warps, **pdl_args()
         )
         return y
     block = 256 if length >= 256 else max(16, triton.next_power_of_2(length))
@@ -205,5 +211,6 @@ def aa_snake(
         **flags,
         BLOCK=block,
         num_warps=4 if block >= 128 else 1,
+        **pdl_args(),
     )
     return y

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 
 @triton.jit
 def _chunk_attention_kernel(
@@ -26,7 +28,9 @@ def _chunk_attention_kernel(
     D: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # token rows
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -82,5 +86,6 @@ def chunk_attention(qkv: torch.Tensor, num_heads: int, head_dim: int, chunk: int
         CHUNK=chunk,
         ROWS=rows,
         num_warps=4,
+        **pdl_args(),
     )
     return out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import pdl_args, pdl_enter
+
 _GELU_NONE, _GELU_ERF = 0, 1
 
 
@@ -48,7 +50,9 @@ def _fused_linear_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     # With HAS_LN, BK == K: the program holds whole rows, so the norm's statistics need no second read.
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -144,6 +148,7 @@ def fused_linear(
         BK=bk,
         num_warps=4,
         num_stages=2,
+        **pdl_args(),
     )
     return y
 
@@ -191,7 +196,9 @@ def _causal_conv_norm_mish_kernel(
     BCO: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     co = tl.arange(0, BCO)
@@ -303,5 +310,6 @@ def causal_conv_norm_mish(
         BT=bt,
         BK=32,
         num_warps=8,
+        **pdl_args(),
     )
     return y, upd
