@@ -85,7 +85,7 @@ class FastForward:
         `parallel_tails` (CUDA only; default on there): the audio tail and head run on a second stream,
         concurrently with the text tail and head (they share nothing but their input), so the two chains of
         small kernels fill each other's gaps; the step (and a CUDA graph captured from it) joins them before
-        it returns. Measured 2-4% faster decode steps on the H200 at 1, 64 and 128 streams (docs/gpu.md)."""
+        it returns. Measured on the H200 (4 runs): one-stream steps 3-4% faster, 64-128 streams 0-2%."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -103,12 +103,11 @@ class FastForward:
         self.one_row = one_row if isinstance(self.ops, TritonOps) and gemv_fits else "cublas"
         if pdl not in (*PDL_MODES, "auto"):
             raise ValueError(f"pdl must be one of {(*PDL_MODES, 'auto')}, got {pdl!r}")
+        on_cuda = torch.device(device).type == "cuda"
         if pdl == "auto":
-            on_gpu = torch.device(device).type == "cuda"
-            pdl = "wait" if on_gpu and pdl_supported(torch.cuda.get_device_capability(device)) else "off"
+            pdl = "wait" if on_cuda and pdl_supported(torch.cuda.get_device_capability(device)) else "off"
         self.pdl = pdl if isinstance(self.ops, TritonOps) else "off"
         self.pdl_max_rows = pdl_max_rows
-        on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
 
