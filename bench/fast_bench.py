@@ -311,16 +311,9 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     prefill["padded_graph_vs_eager"] = logit_compare(
         tuple(x.clone() for x in prefill_runner.run(s_tok, s_aud, s_pos, s_attn.slot_mapping, table_t, short_n)),
         fast(StepInputs.from_metadata(s_tok, s_aud, s_pos, s_attn), cache))
-    tails_runner = PrefillGraphRunner(FastForward(weights, ops, one_row="cublas", pdl="off", parallel_tails=True), cache,
-                                      max_model_len=args.max_model_len, buckets=sorted({args.prompt_len, 512}))
-    tails_runner.capture()
-    graph_prefill_tails = functools.partial(tails_runner.run, tok, aud, pos, attn.slot_mapping, table_t, len(prompt))
-    prefill["graph_tails2_vs_graph"] = logit_compare(tuple(x.clone() for x in graph_prefill_tails()),
-                                                     tuple(x.clone() for x in graph_prefill()))
     for name, fn in {"plain_eager": functools.partial(model, tok, aud, pos, cache, attn),
                      "fast_eager": functools.partial(fast, step_in, cache),
                      "fast_graph": graph_prefill,
-                     "fast_graph+tails2": graph_prefill_tails,
                      "fast_eager_fp8": functools.partial(fast8, step_in, cache)}.items():
         t = time_ms(fn, 3, 10)
         prefill[name] = {**t, "tflops": round(flops / (t["median_ms"] / 1e3) / 1e12, 1)}
@@ -374,8 +367,7 @@ def summarize(fast: dict) -> dict:
                     "speedup_vs_plain": round(entry["plain_eager"]["median_ms"] / t["median_ms"], 2),
                     "weight_plus_kv_gbps": t["weight_plus_kv_gbps"], "copy_fraction": t["copy_fraction"]}
     pre = fast["prefill"]
-    name = min((n for n in ("fast_eager", "fast_graph", "fast_graph+tails2") if n in pre),
-               key=lambda n: pre[n]["median_ms"])
+    name = min(("fast_eager", "fast_graph"), key=lambda n: pre[n]["median_ms"])
     out["prefill_512"] = {"variant": name, "median_ms": pre[name]["median_ms"], "target_ms": TARGETS_MS["prefill_512"],
                           "meets_target": pre[name]["median_ms"] <= TARGETS_MS["prefill_512"],
                           "plain_eager_ms": pre["plain_eager"]["median_ms"], "tflops": pre[name]["tflops"],

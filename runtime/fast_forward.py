@@ -82,10 +82,13 @@ class FastForward:
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
         2-3% faster steps of 1-32 rows, even or faster at 64, 1-2% slower at 128 (docs/gpu.md).
-        `parallel_tails` (CUDA only; default on there): the audio tail and head run on a second stream,
-        concurrently with the text tail and head (they share nothing but their input), so the two chains of
-        small kernels fill each other's gaps; the step (and a CUDA graph captured from it) joins them before
-        it returns. Measured on the H200 (4 runs): one-stream steps 3-4% faster, 64-128 streams 0-2%."""
+        `parallel_tails` (CUDA only; default on there): in decode steps the audio tail and head run on a
+        second stream, concurrently with the text tail and head (they share nothing but their input), so the
+        two chains of small kernels fill each other's gaps; the step (and a CUDA graph captured from it)
+        joins them before it returns. Measured on the H200 (4 runs): one-stream steps 3-4% faster, 64-128
+        streams 0-2%. Prefill steps stay on one stream: they are compute-bound (512 rows: -0.8% to +2.6%
+        over 3 runs), and the second stream's activations in the prefill graphs cost 0.5 GiB of the 24 GB
+        profile's memory (bench/profile_24gb.py, docs/gpu.md)."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -212,7 +215,7 @@ class FastForward:
         w = self.weights
         x = self.embed(step.tokens, step.is_audio)  # [N, hidden]
         x, residual = self._tail(w.shared, x, None, step, kv_cache)
-        if self.tail_stream is None:
+        if self.tail_stream is None or step.max_query_len != 1:  # prefill: compute-bound, see __init__
             return self._text_out(x, residual, step, kv_cache), self._audio_out(x, residual, step, kv_cache)
         # fork: the audio branch waits for the shared layers, then runs beside the text branch. Memory: x and
         # residual stay referenced here until after the join, so the main stream cannot reuse them early; the
