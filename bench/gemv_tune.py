@@ -32,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.fast_tools import copy_bandwidth_gbps, graph_us_per_call, log
+from runtime.fast_ops import TorchOps
 from runtime.fp8 import quantize_weight
 from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
 
@@ -57,27 +59,21 @@ def shapes() -> list[tuple[int, int, int]]:
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, prologue: int, res: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
-    """float32 prologue(x) @ w.T (w already dequantized)."""
+    """float32 prologue(x) @ w.T (w already dequantized), through the reference ops of runtime/fast_ops.py."""
     xf = x.float()
     if prologue == RMSNORM:
-        xf = xf + res.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+        xf, _ = TorchOps.add_rmsnorm(xf, res.float(), nw.float(), 1e-6)
     elif prologue == SILU_MUL:
-        g, u = xf.chunk(2, dim=1)
-        xf = F.silu(g) * u
+        xf = TorchOps.silu_mul(xf)
     return xf @ w.float().t()
 
 
 def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps):
     n, k = w.shape
-    _gemv_kernel[(triton_cdiv(n, bn),)](
+    _gemv_kernel[(triton.cdiv(n, bn),)](
         x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
         PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
         BLOCK_N=bn, BLOCK_K=bk, WEIGHT_FIRST=True, num_warps=warps, num_stages=1)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
@@ -169,21 +165,21 @@ def main() -> None:
     ap.add_argument("--in-step", action="store_true", help="tune inside the decode step (see the docstring)")
     ap.add_argument("--pdl", default="off", help="--in-step: the PDL mode of the step")
     args = ap.parse_args()
-    if args.in_step:
-        result = {"bench": "gemv_tune_in_step",
-                  "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
-                  "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  **tune_in_step(args)}
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        return
+    result = {"bench": "gemv_tune_in_step" if args.in_step else "gemv_tune",
+              "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
+              "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+              **(tune_in_step(args) if args.in_step else sweep(args))}
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def sweep(args: argparse.Namespace) -> dict:
+    """Every tile of `shapes()` on each matrix alone, beside the table's tile and cuBLAS."""
     t_start = time.perf_counter()
     dev = torch.device("cuda")
-    result: dict = {"bench": "gemv_tune", "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
-                    "device_name": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                    "copy_gbps": round(copy_bandwidth_gbps(dev), 1), "matrices": []}
+    result: dict = {"copy_gbps": round(copy_bandwidth_gbps(dev), 1), "matrices": []}
     log(f"copy {result['copy_gbps']} GB/s")
     torch.manual_seed(0)
     for name, (n, k, prologue) in MATRICES.items():
@@ -242,10 +238,7 @@ def main() -> None:
             result["matrices"].append(row)
         del bf, mats
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from runtime.attention import AttentionMetadata
 from runtime.fast_ops import TorchOps, TritonOps, default_ops, rope_tables
 from runtime.fp8 import Fp8Weight, linear
 from runtime.fused import FusedWeights, LayerWeights
-from runtime.kernels import PDL_MODES, pdl_launches, pdl_supported
+from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.kv_cache import KVCache
 
 
@@ -104,13 +104,9 @@ class FastForward:
         gemv_fits = all(k % 2048 == 0 for k in (cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_attention_heads * cfg.head_dim))
         self.one_row = one_row if isinstance(self.ops, TritonOps) and gemv_fits else "cublas"
-        if pdl not in (*PDL_MODES, "auto"):
-            raise ValueError(f"pdl must be one of {(*PDL_MODES, 'auto')}, got {pdl!r}")
-        on_cuda = torch.device(device).type == "cuda"
-        if pdl == "auto":
-            pdl = "wait" if on_cuda and pdl_supported(torch.cuda.get_device_capability(device)) else "off"
-        self.pdl = pdl if isinstance(self.ops, TritonOps) else "off"
+        self.pdl = resolve_pdl(pdl, device, isinstance(self.ops, TritonOps))
         self.pdl_max_rows = pdl_max_rows
+        on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.kernels import PDL_MODES, pdl_launches, pdl_supported
+from runtime.kernels import pdl_launches, resolve_pdl
 from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, VocoderConfig
@@ -76,7 +76,8 @@ class StreamingVocoder:
         self.generator = generator.to(device=self.device, dtype=dtype).eval()
         self.voices = voices
         self.triton_kernels = self._enable_triton_kernels(triton_kernels)
-        self.pdl = self._resolve_pdl(pdl)
+        # programmatic dependent launch of the Triton kernels ("auto": where supported); same results either way
+        self.pdl = resolve_pdl(pdl, self.device, self.triton_kernels)
         exact_left, exact_right = receptive_field_frames(self.generator)
         stream = config.stream
         self.is_low_latency = stream.latency == "low"
@@ -139,16 +140,6 @@ class StreamingVocoder:
                 if isinstance(module, (ChunkTransformer, CausalBlock)):
                     module.use_triton = True
         return enabled
-
-    def _resolve_pdl(self, pdl: str) -> str:
-        """Programmatic dependent launch of the Triton kernels (runtime/kernels/__init__.py): "auto" = "wait"
-        where the kernels run and the GPU supports it, else "off". Results are the same either way."""
-        if pdl not in (*PDL_MODES, "auto"):
-            raise ValueError(f"pdl must be one of {(*PDL_MODES, 'auto')}, got {pdl!r}")
-        if pdl == "auto":
-            supported = self.triton_kernels and pdl_supported(torch.cuda.get_device_capability(self.device))
-            return "wait" if supported else "off"
-        return pdl if self.triton_kernels else "off"
 
     def use_cuda_graphs(self, *, max_graphs: int | None = None, bucket_shapes: bool = False) -> None:
         """Replay CUDA graphs of the per-chunk encoder, flow solve and BigVGAN per input shape.

@@ -48,6 +48,22 @@ def pdl_launches(mode: str) -> Iterator[None]:
         _pdl.mode = before
 
 
+def resolve_pdl(mode: str, device: object, kernels_on: bool) -> str:
+    """A launch option as given ("off" | "wait" | "auto") -> the mode to use: "off" unless `kernels_on` (the
+    caller runs the Triton kernels); "auto" = "wait" where `device` is a CUDA device that supports PDL."""
+    if mode not in (*PDL_MODES, "auto"):
+        raise ValueError(f"pdl must be one of {(*PDL_MODES, 'auto')}, got {mode!r}")
+    if not kernels_on:
+        return "off"
+    if mode == "auto":
+        import torch
+
+        device = torch.device(device)  # type: ignore[arg-type]
+        on_cuda = device.type == "cuda"
+        return "wait" if on_cuda and pdl_supported(torch.cuda.get_device_capability(device)) else "off"
+    return mode
+
+
 def pdl_supported(device_capability: tuple[int, int]) -> bool:
     """PDL needs compute capability 9.0+ and a Triton that has the griddepcontrol intrinsics."""
     if not HAS_TRITON or device_capability[0] < 9:
@@ -57,4 +73,4 @@ def pdl_supported(device_capability: tuple[int, int]) -> bool:
     return hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-__all__ = ["HAS_TRITON", "PDL_MODES", "pdl_launches", "pdl_mode", "pdl_supported"]
+__all__ = ["HAS_TRITON", "PDL_MODES", "pdl_launches", "pdl_mode", "pdl_supported", "resolve_pdl"]
