@@ -4,7 +4,7 @@
     python bench/client.py --rate 4 --duration 60 --max-new-tokens 100 --fixed-length
 
 Closed loop: at each concurrency level, `c` workers send requests back to back until `--requests` have
-finished. Open loop: requests arrive as a Poisson process of `--rate` per second for `--duration` s, no
+finished; all start at once (a burst) unless `--ramp-s` spreads their first requests (steady state). Open loop: requests arrive as a Poisson process of `--rate` per second for `--duration` s, no
 matter how many are still in flight. `--warmup` requests run first at every level and are not counted.
 Per request see `bench/measure.py`; the script prints ONE JSON summary and writes a PNG (`--plot`).
 Traffic stays on loopback unless `--allow-remote` is given.
@@ -36,6 +36,7 @@ from bench.measure import (  # the repo root is on sys.path now
     AudioTimeline,
     LoopLag,
     RequestResult,
+    closed_loop,
     plot_levels,
     requests_per_level,
     speech_prompt_text,
@@ -200,18 +201,10 @@ async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, resul
 
 
 async def run_closed_loop(client: httpx.AsyncClient, load: SpeechLoad, concurrency: int,
-                          num_requests: int) -> tuple[list[RequestResult], float]:
-    """`concurrency` workers send `num_requests` requests back to back -> (results, wall seconds)."""
-    remaining = iter(range(num_requests))
-    results: list[RequestResult] = []
-
-    async def worker() -> None:
-        for _ in remaining:  # a shared iterator: each index is taken by exactly one worker
-            results.append(await run_request(client, load))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
-    return results, time.perf_counter() - started
+                          num_requests: int, ramp_s: float = 0.0) -> tuple[list[RequestResult], float]:
+    """`concurrency` workers send `num_requests` requests back to back -> (results, wall seconds);
+    `ramp_s` spreads the workers' first requests (`bench.measure.closed_loop`)."""
+    return await closed_loop(lambda: run_request(client, load), concurrency, num_requests, ramp_s)
 
 
 async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float, duration_s: float,
@@ -235,7 +228,7 @@ async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float
 
 async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_requests: list[int],
                         warmup: int, rate: float | None = None, duration_s: float = 0.0,
-                        seed: int = 0,
+                        seed: int = 0, ramp_s: float = 0.0,
                         on_level: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every level (closed loop) or the one open-loop run, each after its warm-up -> level summaries.
 
@@ -257,8 +250,9 @@ async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_
             if warmup:
                 await run_closed_loop(client, load, concurrency, warmup)
             lag.start()
-            results, wall_s = await run_closed_loop(client, load, concurrency, count)
-            levels.append(summarize(results, wall_s, concurrency=concurrency, driver_loop_lag_s=lag.stop()))
+            results, wall_s = await run_closed_loop(client, load, concurrency, count, ramp_s)
+            levels.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=ramp_s,
+                                    driver_loop_lag_s=lag.stop()))
             if on_level is not None:
                 on_level(levels)
     return levels
@@ -272,6 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,64", help="closed-loop levels, comma separated")
     p.add_argument("--requests", default=None,
                    help="measured requests per level: N, or one per level (default max(8, 2 x concurrency))")
+    p.add_argument("--ramp-s", type=float, default=0.0,
+                   help="closed loop: spread the workers' first requests over this many seconds (steady "
+                        "state); 0 sends them all at once (a burst)")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--duration", type=float, default=30.0, help="open loop: seconds of arrivals")
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests before each level")
@@ -306,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     levels_asked = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if args.rate is None and (not levels_asked or min(levels_asked) < 1):
         raise SystemExit("--concurrency needs levels >= 1")
+    if args.ramp_s < 0:
+        raise SystemExit("--ramp-s must be >= 0")
     if args.rate is not None and not (args.rate > 0 and args.duration > 0):
         raise SystemExit("--rate and --duration must be > 0")
     text = prompt_text(args.prompt_tokens) if args.prompt_tokens else (args.input or SpeechLoad.input)
@@ -333,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     levels = asyncio.run(run_benchmark(
         load, concurrency_levels=levels_asked, num_requests=requests_per_level(levels_asked, args.requests), warmup=args.warmup,
-        rate=args.rate, duration_s=args.duration, seed=args.seed, on_level=save))
+        rate=args.rate, duration_s=args.duration, seed=args.seed, ramp_s=args.ramp_s, on_level=save))
     summary["complete"] = True
     if args.plot:
         x_key = "rate_per_s" if args.rate is not None else "concurrency"

@@ -14,7 +14,9 @@
 # LEVELS (none: no closed loop), REQUESTS, PIPE_LEVELS, PIPE_REQUESTS, PYTHON, PHASES (default
 # serve,pipeline: which parts run; one per device call when each needs most of the call, e.g. with the
 # vocoder warm-up of serve-h200.yaml), OPEN_RATES (comma separated arrivals per second: open-loop runs
-# over Serve after the closed loop, each OPEN_DURATION seconds of arrivals, default 30).
+# over Serve after the closed loop, each OPEN_DURATION seconds of arrivals, default 30), STEADY_LEVELS /
+# STEADY_REQUESTS / RAMP_S (a second closed loop over Serve whose workers' first requests are spread over
+# RAMP_S seconds: steady state instead of a burst; none by default), PIPE_RAMP_S (the same for pipeline.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -24,6 +26,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/h200_e2e_out}
 PHASES=${PHASES:-serve,pipeline}
 OPEN_RATES=${OPEN_RATES:-}; OPEN_DURATION=${OPEN_DURATION:-30}
+STEADY_LEVELS=${STEADY_LEVELS:-}; STEADY_REQUESTS=${STEADY_REQUESTS:-}; RAMP_S=${RAMP_S:-3}; PIPE_RAMP_S=${PIPE_RAMP_S:-0}
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
@@ -139,6 +142,17 @@ EOF
     timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
     log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
   fi
+  if [ -n "$STEADY_LEVELS" ]; then  # closed loop again, the workers' first requests spread over RAMP_S
+    STEADY_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$STEADY_LEVELS" --ramp-s "$RAMP_S" "${COMMON[@]}"
+                --label "$MODE serve $CONFIG steady (ramp ${RAMP_S}s)" --out "$OUT/client_steady.json")
+    [ -n "$STEADY_REQUESTS" ] && STEADY_CMD+=(--requests "$STEADY_REQUESTS")
+    [ "$PLOT" = 1 ] && STEADY_CMD+=(--plot "$OUT/client_steady.png")
+    record "${STEADY_CMD[@]}"
+    T_CLIENT=$(cap $(( $(left) - RESERVE )))
+    log "steady client (timeout ${T_CLIENT}s): ${STEADY_CMD[*]}"
+    timeout --kill-after=10 "$T_CLIENT" "${STEADY_CMD[@]}" > "$OUT/client_steady.stdout" 2>> "$OUT/client_stderr.txt"
+    log "steady client exit $?"
+  fi
   for RATE in ${OPEN_RATES//,/ }; do  # open loop: Poisson arrivals at RATE per second for OPEN_DURATION s
     OPEN_CMD=("$PY" bench/client.py --url "$URL" --rate "$RATE" --duration "$OPEN_DURATION" "${COMMON[@]}"
               --label "$MODE serve $CONFIG open $RATE/s" --out "$OUT/client_open_$RATE.json")
@@ -172,7 +186,7 @@ fi
 
 # ---- 2. The same workload in process (no Ray, no HTTP), with the engine settings of the config ----
 PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concurrency "$PIPE_LEVELS"
-          --requests "$PIPE_REQUESTS" --warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS"
+          --requests "$PIPE_REQUESTS" --warmup "$WARMUP" --ramp-s "$PIPE_RAMP_S" --prompt-tokens "$PROMPT_TOKENS"
           --max-new-tokens "$MAX_NEW_TOKENS" --fixed-length --label "$MODE in-process $CONFIG"
           --out "$OUT/pipeline.json")
 [ "$PLOT" = 1 ] && PIPE_CMD+=(--plot "$OUT/pipeline.png")
@@ -199,7 +213,7 @@ fi
 "$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/digest.txt"
 import json, os, sys
 out = sys.argv[1]
-for name in ["client_closed.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
+for name in ["client_closed.json", "client_steady.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         print(f"{name}: missing"); continue

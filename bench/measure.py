@@ -14,7 +14,7 @@ import functools
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +194,29 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
         "num_audio_codes_seen": codes,
         "num_prompt_tokens_seen": prompts,
     }
+
+
+async def closed_loop(run_one: Callable[[], Awaitable[RequestResult]], concurrency: int, num_requests: int,
+                      ramp_s: float = 0.0,
+                      sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> tuple[list[RequestResult], float]:
+    """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds).
+
+    With `ramp_s` > 0, worker k starts k * ramp_s / concurrency seconds after worker 0: arrivals are spread
+    as in a service that has been running for a while, instead of all at once (a burst, ramp_s = 0).
+    """
+    remaining = iter(range(num_requests))
+    results: list[RequestResult] = []
+    workers = min(concurrency, num_requests)
+
+    async def worker(k: int) -> None:
+        if k and ramp_s > 0:
+            await sleep(k * ramp_s / workers)
+        for _ in remaining:  # a shared iterator: each index is taken by exactly one worker
+            results.append(await run_one())
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(workers)))
+    return results, time.perf_counter() - started
 
 
 def _error_key(result: RequestResult) -> str:

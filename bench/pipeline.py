@@ -28,6 +28,7 @@ from bench.measure import (  # the repo root is on sys.path now
     AudioTimeline,
     LoopLag,
     RequestResult,
+    closed_loop,
     plot_levels,
     requests_per_level,
     speech_prompt_text,
@@ -41,12 +42,14 @@ _ids = itertools.count()
 class Pipeline:
     """One engine and one batched vocoder, driven the way the deployments drive them."""
 
-    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int) -> None:
+    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, **batcher_options: Any) -> None:
+        """`batcher_options`: VocoderBatcher's `urgent_buffer_s` / `background_max_streams`."""
         from vocoder.config import SAMPLE_RATE
 
         self.engine = engine
         self.vocoder = vocoder
-        self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE)
+        self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
+                                      **batcher_options)
 
     def request(self, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                 temperature: float | None) -> Any:
@@ -95,19 +98,11 @@ class Pipeline:
         result.num_audio_codes, result.num_prompt_tokens = end.num_audio_codes, end.num_prompt_tokens
         return result
 
-    async def closed_loop(self, make_request: Any, concurrency: int,
-                          num_requests: int) -> tuple[list[RequestResult], float]:
-        """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds)."""
-        remaining = iter(range(num_requests))
-        results: list[RequestResult] = []
-
-        async def worker() -> None:
-            for _ in remaining:
-                results.append(await self.run_request(make_request()))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
-        return results, time.perf_counter() - started
+    async def closed_loop(self, make_request: Any, concurrency: int, num_requests: int,
+                          ramp_s: float = 0.0) -> tuple[list[RequestResult], float]:
+        """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds);
+        `ramp_s` spreads the workers' first requests (`bench.measure.closed_loop`)."""
+        return await closed_loop(lambda: self.run_request(make_request()), concurrency, num_requests, ramp_s)
 
 
 def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
@@ -135,7 +130,8 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
-                        "vocoder_chunk_schedule_codes")}
+                        "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s",
+                        "vocoder_background_max_streams")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -162,12 +158,15 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     if args.device is not None:
         vocoder_kwargs["device"] = args.device
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
+    batcher_options = {k: vocoder_kwargs.pop(k) for k in ("urgent_buffer_s", "background_max_streams")
+                       if k in vocoder_kwargs}
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
     vocoder, warm = build_for_serving(**vocoder_kwargs)  # as deployments/vocoder_server.py builds it
-    settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch},
+    settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch,
+                                                     **batcher_options},
                 "vocoder_warm_up": warm, "build_s": time.perf_counter() - loaded}
-    return Pipeline(engine, vocoder, max_batch), settings
+    return Pipeline(engine, vocoder, max_batch, **batcher_options), settings
 
 
 async def run(args: argparse.Namespace, levels: list[int], text: str,
@@ -195,9 +194,10 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
             if args.warmup:
                 await pipeline.closed_loop(make_request, concurrency, args.warmup)
             lag.start()
-            results, wall_s = await pipeline.closed_loop(make_request, concurrency, count)
+            results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s)
             stats = pipeline.engine.stats()
-            out.append(summarize(results, wall_s, concurrency=concurrency, driver_loop_lag_s=lag.stop(),
+            out.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=args.ramp_s,
+                                 driver_loop_lag_s=lag.stop(),
                                  engine_preemptions=stats.num_preemptions,
                                  vocoder_steps=pipeline.batcher.num_steps))
             summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")), levels=out)
@@ -226,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", default=None,
                    help="measured requests per level: N, or one per level (default max(8, 2 x concurrency))")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ramp-s", type=float, default=0.0,
+                   help="spread the workers' first requests over this many seconds (0: a burst)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--input", default="Hello there, this is a streaming speech benchmark.")
     text.add_argument("--prompt-tokens", type=int, default=None, help="prompt of exactly this many tokens")

@@ -69,6 +69,16 @@ class AppArgs(BaseModel):
     vocoder_triton_kernels: bool | None = None
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
+    # Vocoder scheduling (deployments/batcher.py): a stream whose listener has less than this much audio
+    # buffered (or none yet) is urgent, and urgent streams step alone; other steps take at most
+    # `vocoder_background_max_streams` streams (None: vocoder_max_batch_size), least buffered first.
+    vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
+    vocoder_background_max_streams: int | None = Field(default=None, ge=1)
+    # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
+    # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
+    # costs ~0.2-1 ms of CPU: one item per decode step per stream saturates a replica at a few thousand
+    # per second). 0: one item per engine step.
+    codes_batch_s: float = Field(default=0.04, ge=0)
 
     # Request limits enforced by the ingress before any model is touched.
     max_input_chars: int = Field(default=4096, ge=1)

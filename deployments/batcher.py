@@ -6,10 +6,19 @@ the replica's event loop stays free to move bytes while a step computes.
 
 Codes that arrive while a step is running accumulate in their stream's `pending` list and go into the
 next step together, so a slow step is followed by a bigger one instead of a queue of small ones.
+
+Which streams a round steps is decided by what their listeners have buffered (`BatchedStream.buffer_s`:
+audio delivered minus time since the first chunk). A stream with no audio yet, or with less than
+`urgent_buffer_s` buffered, is urgent: when any stream is urgent, the round steps only urgent ones (no
+audio first, then the least buffered). Otherwise it steps at most `background_max_streams` streams, least
+buffered first. A newcomer's first chunk therefore never queues behind, nor is padded to, the big steady
+chunks of streams that have seconds of audio in hand, and a background step stays short enough that the
+next urgent one starts soon. Nothing is lost by waiting: a stream's PCM depends only on its codes.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,18 +48,32 @@ class BatchedStream:
         """Seconds a real-time listener who started at the first chunk would be waiting now."""
         if self.first_pcm_at is None or self.is_ended:
             return 0.0
-        return max(0.0, (now - self.first_pcm_at) - self.num_samples / sample_rate)
+        return max(0.0, -self.buffer_s(now, sample_rate))
+
+    def buffer_s(self, now: float, sample_rate: int) -> float:
+        """Seconds of audio a real-time listener who started at the first chunk still has to play
+        (negative: it has been waiting that long); -inf before the first chunk."""
+        if self.first_pcm_at is None:
+            return -math.inf
+        return self.num_samples / sample_rate - (now - self.first_pcm_at)
 
 
 class VocoderBatcher:
     """Owns the vocoder's worker thread and the batching loop of one replica."""
 
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 urgent_buffer_s: float = 0.5, background_max_streams: int | None = None,
+                 on_step: Callable[[str, int, float], None] | None = None) -> None:
+        if not urgent_buffer_s >= 0:
+            raise ValueError(f"urgent_buffer_s must be >= 0, got {urgent_buffer_s}")
+        if background_max_streams is not None and background_max_streams < 1:
+            raise ValueError(f"background_max_streams must be >= 1 or None, got {background_max_streams}")
         self.vocoder = vocoder
         self.max_batch_size = max_batch_size
         self.sample_rate = sample_rate
-        self._on_step = on_step
+        self.urgent_buffer_s = urgent_buffer_s
+        self.background_max_streams = min(background_max_streams or max_batch_size, max_batch_size)
+        self._on_step = on_step  # (kind: "urgent" | "background" | "finish", streams, seconds)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._streams: list[BatchedStream] = []
         self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
@@ -128,16 +151,15 @@ class VocoderBatcher:
             await self._call(lambda: [self.vocoder.close(session) for session in sessions])
             self.num_open_sessions -= len(sessions)
             did_work = True
-        ready = sorted((s for s in self._streams if s.pending), key=lambda s: s.pending_since)
-        ready = ready[: self.max_batch_size]
+        kind, ready = self.pick(time.monotonic())
         if ready:
             work = [(s.session, s.pending) for s in ready]
             for stream in ready:
                 stream.pending = []
+            started = time.monotonic()
             pcms = await self._call(self.vocoder.step, work)
             self.num_steps += 1
-            if self._on_step is not None:
-                self._on_step(len(work))
+            self._report(kind, len(work), started)
             for stream, pcm in zip(ready, pcms, strict=True):
                 self._deliver(stream, pcm)
             did_work = True
@@ -146,13 +168,33 @@ class VocoderBatcher:
             for stream in finishing:
                 stream.is_closed = True
                 self._streams.remove(stream)
+            started = time.monotonic()
             tails = await self._call(self.vocoder.finish_many, [s.session for s in finishing])
+            self._report("finish", len(finishing), started)
             self.num_open_sessions -= len(finishing)
             for stream, tail in zip(finishing, tails, strict=True):
                 self._deliver(stream, tail)
                 stream.out.put_nowait(END)
             did_work = True
         return did_work
+
+    def pick(self, now: float) -> tuple[str, list[BatchedStream]]:
+        """(kind, streams) the next step advances: the urgent ones if any, else a bounded background batch
+        (see the module docstring); ("", []) when no stream has pending codes."""
+        def order(s: BatchedStream) -> tuple[float, float]:
+            return s.buffer_s(now, self.sample_rate), s.pending_since
+
+        ready = [s for s in self._streams if s.pending]
+        urgent = sorted((s for s in ready if s.buffer_s(now, self.sample_rate) < self.urgent_buffer_s), key=order)
+        if urgent:
+            return "urgent", urgent[: self.max_batch_size]
+        if ready:
+            return "background", sorted(ready, key=order)[: self.background_max_streams]
+        return "", []
+
+    def _report(self, kind: str, num_streams: int, started: float) -> None:
+        if self._on_step is not None:
+            self._on_step(kind, num_streams, time.monotonic() - started)
 
     def _deliver(self, stream: BatchedStream, pcm: np.ndarray) -> None:
         if stream.is_aborted:

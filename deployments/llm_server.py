@@ -72,7 +72,10 @@ class LLMServer:
         started = time.monotonic()
         request_id = request["request_id"]
         try:
-            stream = self._engine.generate(build_generation_request(self._engine, request))
+            codes_stream = request.get("codes_stream") or {}
+            stream = self._engine.generate(build_generation_request(self._engine, request),
+                                           eager_codes=int(codes_stream.get("eager_codes", 0)),
+                                           codes_batch_s=float(codes_stream.get("batch_s", 0.0)))
             first = await anext(stream)
         except Exception as exc:  # noqa: BLE001 - refused before any event: report it as an event
             yield error_event(exc)
@@ -86,6 +89,7 @@ class LLMServer:
                 if item["type"] == "codes" and not saw_audio:
                     saw_audio = True
                     self._ttfa.add(time.monotonic() - started)
+                    self._metrics.time_to_first_code.observe(time.monotonic() - started)
                 is_finished = item["type"] == "finished"
                 yield item
                 if is_finished:

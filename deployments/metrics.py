@@ -16,6 +16,7 @@ TTFA_BOUNDARIES = [0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.
 GAP_BOUNDARIES = [0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0, 5.0]
 RTF_BOUNDARIES = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+STEP_BOUNDARIES = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0]
 
 
 @dataclass
@@ -59,6 +60,7 @@ class LLMMetrics:
     prefix_cache_hit_rate: Gauge
     prefix_cache_hit_tokens: Counter
     prefix_cache_query_tokens: Counter
+    time_to_first_code: Histogram
 
     @classmethod
     def create(cls) -> LLMMetrics:
@@ -74,6 +76,9 @@ class LLMMetrics:
                                             description="Prompt tokens found in the prefix cache."),
             prefix_cache_query_tokens=Counter("moss_prefix_cache_query_tokens",
                                               description="Prompt tokens looked up in the prefix cache."),
+            time_to_first_code=Histogram(
+                "moss_time_to_first_code_seconds", boundaries=TTFA_BOUNDARIES,
+                description="Seconds from a request reaching the LLM deployment to its first audio codes leaving it."),
         )
 
 
@@ -83,6 +88,8 @@ class VocoderMetrics:
 
     active_streams: Gauge
     batch_size: Histogram
+    step_seconds: Histogram
+    time_to_first_pcm: Histogram
 
     @classmethod
     def create(cls) -> VocoderMetrics:
@@ -92,6 +99,12 @@ class VocoderMetrics:
                                  description="Utterances streaming through the vocoder deployment."),
             batch_size=Histogram("moss_vocoder_batch_size", boundaries=BATCH_BOUNDARIES,
                                  description="Streams advanced by one StreamingVocoder.step call."),
+            step_seconds=Histogram(
+                "moss_vocoder_step_seconds", boundaries=STEP_BOUNDARIES, tag_keys=("kind",),
+                description="Wall seconds of one vocoder call by kind: urgent / background step, finish."),
+            time_to_first_pcm=Histogram(
+                "moss_vocoder_time_to_first_pcm_seconds", boundaries=TTFA_BOUNDARIES,
+                description="Seconds from an utterance reaching the vocoder deployment to its first PCM leaving it."),
         )
 
 

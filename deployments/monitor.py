@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 from prometheus_client.parser import text_string_to_metric_families
 
 TTFA = "ray_moss_time_to_first_audio_seconds"
+FIRST_CODE = "ray_moss_time_to_first_code_seconds"
+FIRST_PCM = "ray_moss_vocoder_time_to_first_pcm_seconds"
 CHUNK_GAP = "ray_moss_audio_chunk_gap_seconds"
 RTF = "ray_moss_realtime_factor"
 ACTIVE_STREAMS = "ray_moss_active_streams"
@@ -140,6 +142,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
                 for app, dep in sorted(set(healthy) | set(target))}
     return {
         "time_to_first_audio_s": _quantiles(samples, TTFA),
+        "time_to_first_code_s": _quantiles(samples, FIRST_CODE),
+        "time_to_first_pcm_s": _quantiles(samples, FIRST_PCM),
         "audio_chunk_gap_s": _quantiles(samples, CHUNK_GAP),
         "realtime_factor": _quantiles(samples, RTF),
         "active_streams": total(samples, ACTIVE_STREAMS),
@@ -165,6 +169,8 @@ def render(summary: dict[str, Any]) -> str:
     """The summary as an aligned plain-text block."""
     lines = []
     for key, label, scale, unit in (("time_to_first_audio_s", "time to first audio", 1000.0, " ms"),
+                                    ("time_to_first_code_s", "  of which first code", 1000.0, " ms"),
+                                    ("time_to_first_pcm_s", "  of which first PCM", 1000.0, " ms"),
                                     ("audio_chunk_gap_s", "audio chunk gap", 1000.0, " ms"),
                                     ("realtime_factor", "real-time factor", 1.0, "")):
         q = summary[key]

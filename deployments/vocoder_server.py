@@ -3,8 +3,10 @@
 `synthesize` is ONE long streaming call per utterance. It calls the LLM deployment itself, so the
 codes of an utterance flow LLM replica -> this replica -> ingress, and the utterance's vocoder session
 is opened, advanced and finished inside this one call: its state can never be routed to another
-replica. Codes are pushed into the replica's `VocoderBatcher`, which advances every active stream
-with one `StreamingVocoder.step` per round.
+replica. Codes are pushed into the replica's `VocoderBatcher`, which advances the streams that need it
+most with one `StreamingVocoder.step` per round (deployments/batcher.py). The LLM is asked to send the
+codes of a stream's first two chunks at once and later ones in batches (`codes_stream` in the request;
+`Engine.generate`), so each stream costs a few Ray streaming items per second instead of one per step.
 
 Events yielded (plain dicts): `started` (the engine accepted the request), `text`, `audio` (PCM16
 bytes), `done` (usage), or `error` (first item only, or mid-stream when the engine fails).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,10 +30,13 @@ logger = logging.getLogger("ray.serve")
 class VocoderServer:
     """One StreamingVocoder per replica, plus a handle to the LLM deployment."""
 
-    async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any) -> None:
+    async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any,
+                       streaming: dict[str, Any] | None = None) -> None:
+        """`streaming`: `codes_batch_s`, `urgent_buffer_s`, `background_max_streams` (AppArgs)."""
         from vocoder.config import SAMPLE_RATE
         from vocoder.streaming import build_for_serving
 
+        streaming = streaming or {}
         kwargs = dict(vocoder_kwargs)
         self._vocoder, warm = build_for_serving(kwargs.pop("preset"), **kwargs)
         if warm:
@@ -39,14 +45,20 @@ class VocoderServer:
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
-        self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size,
-                                       sample_rate=SAMPLE_RATE, on_step=self._on_step)
+        self._batcher = VocoderBatcher(
+            self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
+            urgent_buffer_s=streaming.get("urgent_buffer_s", 0.5),
+            background_max_streams=streaming.get("background_max_streams"), on_step=self._on_step)
+        self._codes_stream = {"eager_codes": self._vocoder.codes_for_two_chunks,
+                              "batch_s": streaming.get("codes_batch_s", 0.0)}
         self._num_active = 0
         self._metrics.active_streams.set(0)
 
-    def _on_step(self, batch_size: int) -> None:
-        self._metrics.batch_size.observe(batch_size)
-        self._batch_sizes.add(batch_size)
+    def _on_step(self, kind: str, num_streams: int, seconds: float) -> None:
+        self._metrics.step_seconds.observe(seconds, tags={"kind": kind})
+        if kind != "finish":
+            self._metrics.batch_size.observe(num_streams)
+            self._batch_sizes.add(num_streams)
 
     def voices(self) -> list[str]:
         """Names of the voices this replica can speak with."""
@@ -68,6 +80,9 @@ class VocoderServer:
 
     async def synthesize(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one utterance: see the module docstring for the events."""
+        started = time.monotonic()
+        if request["with_audio"]:
+            request = {**request, "codes_stream": self._codes_stream}
         llm_stream = self._llm.generate.options(stream=True).remote(request)
         # The vocoder session opens while the LLM prefills (the worker thread may be busy with a step).
         opening = (asyncio.ensure_future(self._batcher.open(request["voice"], request.get("seed") or 0))
@@ -113,6 +128,8 @@ class VocoderServer:
                     if item["type"] == "error":
                         return
                     continue
+                if not num_samples:
+                    self._metrics.time_to_first_pcm.observe(time.monotonic() - started)
                 num_samples += len(item)
                 yield {"type": "audio", "pcm": pcm16_bytes(item)}
             await reader

@@ -368,6 +368,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._is_shut_down = False
+        self._sleep = asyncio.sleep  # how `generate` waits to batch codes (tests substitute it)
         self._thread = threading.Thread(target=self._run_loop, name="moss-engine-step", daemon=True)
         self._thread.start()
 
@@ -376,13 +377,24 @@ class Engine:
         """Build from a preset (random weights, deterministic in `weights_seed`) or a checkpoint folder."""
         return cls(*load_model(config), config)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def generate(
+        self, request: GenerationRequest, *, eager_codes: int = 0, codes_batch_s: float = 0.0
+    ) -> AsyncIterator[Event]:
         """Stream `request`'s events, ending with `Finished`; typed errors come from the first `__anext__`.
 
         Closing or cancelling the iterator before `Finished` aborts the request.
+
+        Audio codes that are already queued when the caller asks for the next event come merged into one
+        `AudioCodes` (order kept: a text delta or the end is never overtaken). With `codes_batch_s` > 0,
+        once `eager_codes` codes have been yielded, an `AudioCodes` event is held until `codes_batch_s`
+        has passed since the previous one and then carries every code that arrived meanwhile: a
+        transport that costs per event (one Ray streaming item each) then carries a few events per
+        second per stream instead of one per decode step, while the first codes still leave at once.
         """
         if not isinstance(request, GenerationRequest):
             raise InvalidRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
+        if eager_codes < 0 or not codes_batch_s >= 0:
+            raise ValueError(f"eager_codes and codes_batch_s must be >= 0, got {eager_codes}, {codes_batch_s}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._is_shut_down:
@@ -393,9 +405,27 @@ class Engine:
             self._streams[request.request_id] = stream
         self._wakeup.set()
         is_done = False
+        held: Event | None = None  # a non-audio event taken while merging codes: it goes out next
+        codes_out = 0
+        last_codes_at = -math.inf
         try:
             while not is_done:
-                event = await stream.queue.get()
+                event = held if held is not None else await stream.queue.get()
+                held = None
+                if isinstance(event, AudioCodes):
+                    delay = last_codes_at + codes_batch_s - stream.loop.time()
+                    if codes_out >= eager_codes and delay > 0:
+                        await self._sleep(delay)
+                    codes = list(event.codes)
+                    while not stream.queue.empty():
+                        queued = stream.queue.get_nowait()
+                        if not isinstance(queued, AudioCodes):
+                            held = queued
+                            break
+                        codes.extend(queued.codes)
+                    event = AudioCodes(tuple(codes))
+                    codes_out += len(codes)
+                    last_codes_at = stream.loop.time()
                 is_done = isinstance(event, Finished)
                 yield event
         finally:

@@ -367,6 +367,17 @@ class StreamingVocoder:
             self.pool.release(session.slot)
 
     @property
+    def codes_for_two_chunks(self) -> int:
+        """Codes a stream must have before its second chunk can be computed (its first two chunks plus the
+        encoder lookahead and BigVGAN's right context): a producer should send these without delay."""
+        stream = self.config.stream
+        right_codes = -(-self.right_context // _F)
+        if self.is_low_latency:
+            sizes = stream.chunk_schedule_codes
+            return LOOKAHEAD_CODES + right_codes + sizes[0] + sizes[min(1, len(sizes) - 1)]
+        return LOOKAHEAD_CODES + right_codes + stream.first_chunk_codes + stream.chunk_codes
+
+    @property
     def num_open_sessions(self) -> int:
         """Sessions opened and not yet finished or closed."""
         return self.pool.num_used - (self._scratch_slot is not None)

@@ -11,7 +11,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.measure import requests_per_level, summarize
+from bench.measure import RequestResult, closed_loop, requests_per_level, summarize
 from bench.pipeline import build, parse_args, settings_from_config
 from deployments.app import GpuUnavailableError, check_gpus
 from deployments.args import AppArgs
@@ -50,6 +50,28 @@ def test_tiny_pipeline_yields_exactly_the_codes_as_pcm_and_times_them_after_the_
     assert (summary["num_ok"], summary["num_audio_codes_seen"], summary["first_codes_s"]["count"]) == (3, [CODES], 3)
 
 
+def test_closed_loop_ramp_staggers_the_workers_first_requests() -> None:
+    """With ramp_s, worker k waits k * ramp_s / workers before its first request (a recorded sleep)."""
+    async def go(concurrency: int, num_requests: int, ramp_s: float) -> tuple[list[float], list[str]]:
+        waits: list[float] = []
+        ids = iter(range(100))
+
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+
+        async def run_one() -> RequestResult:
+            request_id = f"r{next(ids)}"
+            await asyncio.sleep(0)
+            return RequestResult(request_id=request_id)
+
+        results, _ = await closed_loop(run_one, concurrency, num_requests, ramp_s, sleep=sleep)
+        return waits, sorted(r.request_id for r in results)
+
+    assert asyncio.run(go(4, 10, 2.0)) == ([0.5, 1.0, 1.5], sorted(f"r{i}" for i in range(10)))
+    assert asyncio.run(go(4, 10, 0.0))[0] == []
+    assert asyncio.run(go(8, 2, 2.0)) == ([1.0], ["r0", "r1"])  # 2 requests: 2 workers
+
+
 def test_requests_per_level_accepts_one_count_or_one_per_level() -> None:
     assert requests_per_level([1, 8, 64], None) == [8, 16, 128]
     assert requests_per_level([1, 8], "5") == [5, 5]
@@ -70,4 +92,5 @@ def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_setti
     assert vocoder == {"preset": "full", "device": "cuda", "dtype": "bfloat16", "seed": 0, "max_batch_size": 128,
                        "cuda_graphs": True, "triton_kernels": True, "bucket_shapes": True,
                        "warmup_rows": [1, 2, 4, 8, 16, 32, 48, 64], "reserved_sessions": 1024,
-                       "chunk_schedule_codes": [3, 5, 10, 25]}
+                       "chunk_schedule_codes": [3, 5, 10, 25], "urgent_buffer_s": 0.5,
+                       "background_max_streams": 32}

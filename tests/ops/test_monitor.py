@@ -39,6 +39,8 @@ def exposition(*, errors: int = 3, ttfa_scale: int = 1) -> str:
         "# HELP ray_moss_time_to_first_audio_seconds ttfa", "# TYPE ray_moss_time_to_first_audio_seconds histogram",
         hist("ray_moss_time_to_first_audio_seconds", "Ingress", "a", ttfa, 2.0),
         hist("ray_moss_time_to_first_audio_seconds", "Ingress", "b", ttfa, 2.0),
+        "# HELP ray_moss_time_to_first_code_seconds c", "# TYPE ray_moss_time_to_first_code_seconds histogram",
+        hist("ray_moss_time_to_first_code_seconds", "LLM", "l", {"0.05": 2, "0.1": 4, "+Inf": 4}, 0.2),
         "# HELP ray_moss_audio_chunk_gap_seconds gap", "# TYPE ray_moss_audio_chunk_gap_seconds histogram",
         hist("ray_moss_audio_chunk_gap_seconds", "Ingress", "a", {"0.04": 50, "0.08": 100, "+Inf": 100}, 5.0),
         "# HELP ray_moss_active_streams s", "# TYPE ray_moss_active_streams gauge",
@@ -82,6 +84,8 @@ def test_summary_of_a_synthetic_export() -> None:
     assert summary["time_to_first_audio_s"] == {"p50": pytest.approx(0.4), "p99": 1.0, "count": 10.0}
     assert summary["audio_chunk_gap_s"] == {"p50": 0.04, "p99": pytest.approx(0.0792), "count": 100.0}
     assert summary["realtime_factor"] == {"p50": None, "p99": None, "count": 0.0}
+    assert summary["time_to_first_code_s"] == {"p50": 0.05, "p99": pytest.approx(0.099), "count": 4.0}
+    assert summary["time_to_first_pcm_s"] == {"p50": None, "p99": None, "count": 0.0}
     assert summary["active_streams"] == 4.0
     assert summary["queued_requests"] == 2.0
     assert summary["kv_cache_usage"] == 0.25
@@ -93,6 +97,7 @@ def test_summary_of_a_synthetic_export() -> None:
     text = render(summary)
     assert "time to first audio    p50     400 ms   p99    1000 ms   n=10" in text
     assert "KV cache use           25 %" in text
+    assert "  of which first code  p50      50 ms   p99      99 ms   n=4" in text
     assert "  moss/LLM                                 1 / 2" in text
 
 

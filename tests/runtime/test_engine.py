@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
+import threading
 from collections import Counter
 
 import pytest
@@ -381,3 +383,61 @@ def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM) ->
         await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+
+def test_codes_after_the_eager_ones_are_merged_into_batches(model: MossSpeechForCausalLM) -> None:
+    """Steps are released one at a time: the first 3 codes leave one per step; the 4th waits for the batch
+    interval (a substituted sleep that returns once the engine is done) and carries codes 4..8 with it."""
+    request = GenerationRequest("m", prompt(random.Random(9), 12, audio_out=True), GREEDY, GREEDY,
+                                max_new_tokens=8, min_new_tokens=8)
+
+    async def main() -> tuple[list[Event], list[float]]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        forward = engine.core.runner.forward
+        gate = threading.Semaphore(0)
+
+        def gated(inp: object) -> object:
+            gate.acquire()
+            return forward(inp)  # type: ignore[arg-type]
+
+        engine.core.runner.forward = gated  # type: ignore[method-assign]
+        delays: list[float] = []
+        real_sleep = asyncio.sleep
+
+        async def sleep_until_done(delay: float) -> None:
+            delays.append(delay)
+            while engine.stats().num_running:
+                await real_sleep(0.005)
+            await real_sleep(0.05)  # the last step's events reach this loop
+
+        engine._sleep = sleep_until_done  # type: ignore[method-assign]
+        stream = engine.generate(request, eager_codes=3, codes_batch_s=60.0)
+        events: list[Event] = []
+        for _ in range(3):
+            gate.release()
+            events.append(await stream.__anext__())
+        for _ in range(5):
+            gate.release()
+        events += [e async for e in stream]
+        await engine.shutdown()
+        return events, delays
+
+    events, delays = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    _, sampler = reference_rows(model, request)
+    codes = list(sampler.audio_codes)
+    assert events == [AudioCodes((codes[0],)), AudioCodes((codes[1],)), AudioCodes((codes[2],)),
+                      AudioCodes(tuple(codes[3:8])), Finished("length", 12, 8, 8, 0)]
+    assert len(delays) == 1 and 59.0 < delays[0] <= 60.0
+
+
+def test_codes_batching_options_are_validated(model: MossSpeechForCausalLM) -> None:
+    async def main() -> None:
+        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        rows = prompt(random.Random(3), 6, audio_out=True)
+        for kwargs in ({"eager_codes": -1}, {"codes_batch_s": -0.1}, {"codes_batch_s": math.nan}):
+            with pytest.raises(ValueError, match="eager_codes and codes_batch_s"):
+                await engine.generate(GenerationRequest("v", rows, max_new_tokens=2), **kwargs).__anext__()
+        assert engine.stats().num_waiting == engine.stats().num_running == 0
+        await engine.shutdown()
+
+    asyncio.run(main())

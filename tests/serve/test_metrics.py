@@ -62,6 +62,10 @@ def test_metrics_count_exactly_the_requests_made(http: httpx.Client) -> None:
         # Ray 2.60 rebuilds a histogram's _sum from bucket midpoints (see docs/metrics.md), so the
         # exact check is on the buckets: a one-stream step lands in the le="1.0" bucket.
         "batch_of_one": ("ray_moss_vocoder_batch_size_bucket", {**APP, "le": "1.0"}),
+        "first_code": ("ray_moss_time_to_first_code_seconds_count", APP),
+        "first_pcm": ("ray_moss_vocoder_time_to_first_pcm_seconds_count", APP),
+        "step_calls": ("ray_moss_vocoder_step_seconds_count", APP),  # steps of both kinds and finishes
+        "finish_calls": ("ray_moss_vocoder_step_seconds_count", {**APP, "kind": "finish"}),
     }
 
     def values(text: str) -> dict[str, float]:
@@ -87,6 +91,10 @@ def test_metrics_count_exactly_the_requests_made(http: httpx.Client) -> None:
     expected["audio_s"] += 2 * NUM_CODES * SECONDS_PER_CODE
     expected["batch_count"] += steps
     expected["batch_of_one"] += steps  # sequential requests: every step carried one stream
+    expected["first_code"] += 2
+    expected["first_pcm"] += 2
+    expected["step_calls"] += steps + 2  # every step, and one finish per utterance
+    expected["finish_calls"] += 2
 
     def matches() -> bool:
         now = values(scrape_metrics())
