@@ -129,6 +129,14 @@ import sys, httpx
 print("health:", httpx.get(sys.argv[1] + "/health", timeout=10).text)
 EOF
 
+  snapshot() {  # the moss_* lines of a metrics scrape now: stage split per client phase in the digest
+    "$PY" - "$METRICS_PORT" "$OUT/metrics_$1.prom" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
+import sys, httpx
+text = httpx.get(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=30).text
+open(sys.argv[2], "w").write("\n".join(l for l in text.splitlines() if "moss_" in l) + "\n")
+EOF
+  }
+  snapshot start
   COMMON=(--warmup "$WARMUP" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$MAX_NEW_TOKENS"
           --fixed-length --response-format pcm --server-summary --timeout 300)
   RESERVE=30; [[ ,$PHASES, == *,pipeline,* ]] && RESERVE=$(( PIPE_CAP + 30 ))
@@ -141,6 +149,7 @@ EOF
     log "client (timeout ${T_CLIENT}s): ${CLIENT_CMD[*]}"
     timeout --kill-after=10 "$T_CLIENT" "${CLIENT_CMD[@]}" > "$OUT/client_stdout.txt" 2> "$OUT/client_stderr.txt"
     log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
+    snapshot closed
   fi
   if [ -n "$STEADY_LEVELS" ]; then  # closed loop again, the workers' first requests spread over RAMP_S
     STEADY_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$STEADY_LEVELS" --ramp-s "$RAMP_S" "${COMMON[@]}"
@@ -152,6 +161,7 @@ EOF
     log "steady client (timeout ${T_CLIENT}s): ${STEADY_CMD[*]}"
     timeout --kill-after=10 "$T_CLIENT" "${STEADY_CMD[@]}" > "$OUT/client_steady.stdout" 2>> "$OUT/client_stderr.txt"
     log "steady client exit $?"
+    snapshot steady
   fi
   for RATE in ${OPEN_RATES//,/ }; do  # open loop: Poisson arrivals at RATE per second for OPEN_DURATION s
     OPEN_CMD=("$PY" bench/client.py --url "$URL" --rate "$RATE" --duration "$OPEN_DURATION" "${COMMON[@]}"
@@ -161,6 +171,7 @@ EOF
     log "open-loop client (timeout ${T_CLIENT}s): ${OPEN_CMD[*]}"
     timeout --kill-after=10 "$T_CLIENT" "${OPEN_CMD[@]}" > "$OUT/client_open_$RATE.stdout" 2>> "$OUT/client_stderr.txt"
     log "open-loop client exit $?"
+    snapshot "open_$RATE"
   done
 
   "$PY" - "$URL" "$METRICS_PORT" "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
@@ -229,5 +240,26 @@ for name in ["client_closed.json", "client_steady.json", "pipeline.json"] + sort
               f"audio_s/wall_s={lv['audio_s_per_wall_s'] and round(lv['audio_s_per_wall_s'], 2)} "
               f"underruns={lv['underruns']['total']} codes={lv['num_audio_codes_seen']} "
               f"prompt={lv['num_prompt_tokens_seen']} driver_lag_p99={ms(lv.get('driver_loop_lag_s', {'p99': None}), 'p99')}")
+EOF
+# Server-side stage split per client phase (difference of consecutive scrapes; includes warm-ups).
+"$PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/digest.txt"
+import os, sys
+from deployments.monitor import delta, parse_samples, summarize, histogram_buckets, histogram_quantile
+out = sys.argv[1]
+names = [n for n in ("start", "closed", "steady") if os.path.exists(f"{out}/metrics_{n}.prom")]
+names += sorted(f[8:-5] for f in os.listdir(out) if f.startswith("metrics_open_") and f.endswith(".prom"))
+ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"
+for before, after in zip(names, names[1:]):
+    samples = delta(parse_samples(open(f"{out}/metrics_{after}.prom").read()),
+                    parse_samples(open(f"{out}/metrics_{before}.prom").read()))
+    s = summarize(samples)
+    line = " ".join(f"{label} p50/p99={ms(s[key]['p50'])}/{ms(s[key]['p99'])}" for key, label in (
+        ("time_to_first_code_s", "first_code"), ("time_to_first_pcm_s", "first_pcm"), ("time_to_first_audio_s", "ttfa")))
+    steps = []
+    for kind in ("urgent", "background", "finish"):
+        b = histogram_buckets([x for x in samples if x.labels.get("kind") == kind], "ray_moss_vocoder_step_seconds")
+        if b and b[-1][1]:
+            steps.append(f"{kind} n={int(b[-1][1])} p50/p99={ms(histogram_quantile(0.5, b))}/{ms(histogram_quantile(0.99, b))}")
+    print(f"server stages, {after}: {line}; vocoder steps (ms): {'; '.join(steps) or '-'}")
 EOF
 log "total $(( $(date +%s) - T0 ))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
