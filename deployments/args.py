@@ -69,9 +69,9 @@ class AppArgs(BaseModel):
     vocoder_triton_kernels: bool | None = None
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
-    # Vocoder scheduling (deployments/batcher.py): a stream whose listener has less than this much audio
-    # buffered (or none yet) is urgent, and urgent streams step alone; other steps take at most
-    # `vocoder_background_max_streams` streams (None: vocoder_max_batch_size), least buffered first.
+    # Vocoder scheduling (deployments/batcher.py): streams with no audio yet step first, on their own; then
+    # streams whose listener has less than `vocoder_urgent_buffer_s` of audio buffered; then the rest. The
+    # last two kinds of step take at most `vocoder_background_max_streams` streams (None: max batch size).
     vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
     vocoder_background_max_streams: int | None = Field(default=None, ge=1)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,

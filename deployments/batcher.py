@@ -8,12 +8,12 @@ Codes that arrive while a step is running accumulate in their stream's `pending`
 next step together, so a slow step is followed by a bigger one instead of a queue of small ones.
 
 Which streams a round steps is decided by what their listeners have buffered (`BatchedStream.buffer_s`:
-audio delivered minus time since the first chunk). A stream with no audio yet, or with less than
-`urgent_buffer_s` buffered, is urgent: when any stream is urgent, the round steps only urgent ones (no
-audio first, then the least buffered). Otherwise it steps at most `background_max_streams` streams, least
-buffered first. A newcomer's first chunk therefore never queues behind, nor is padded to, the big steady
-chunks of streams that have seconds of audio in hand, and a background step stays short enough that the
-next urgent one starts soon. Nothing is lost by waiting: a stream's PCM depends only on its codes.
+audio delivered minus time since the first chunk), in three classes, the first non-empty one per round:
+"first" (no audio yet: up to `max_batch_size` newcomers, longest waiting first), "urgent" (less than
+`urgent_buffer_s` buffered) and "background" (the rest), the last two least buffered first and at most
+`background_max_streams` per step. A newcomer's first chunk therefore never queues behind, nor is padded
+to, the big chunks of streams that have audio in hand, and no step grows so long that the next newcomer
+waits for it. Nothing is lost by waiting: a stream's PCM depends only on its codes.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class VocoderBatcher:
         self.sample_rate = sample_rate
         self.urgent_buffer_s = urgent_buffer_s
         self.background_max_streams = min(background_max_streams or max_batch_size, max_batch_size)
-        self._on_step = on_step  # (kind: "urgent" | "background" | "finish", streams, seconds)
+        self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "finish", streams, seconds)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._streams: list[BatchedStream] = []
         self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
@@ -179,17 +179,19 @@ class VocoderBatcher:
         return did_work
 
     def pick(self, now: float) -> tuple[str, list[BatchedStream]]:
-        """(kind, streams) the next step advances: the urgent ones if any, else a bounded background batch
-        (see the module docstring); ("", []) when no stream has pending codes."""
+        """(kind, streams) the next step advances (see the module docstring); ("", []) when no stream has
+        pending codes."""
         def order(s: BatchedStream) -> tuple[float, float]:
             return s.buffer_s(now, self.sample_rate), s.pending_since
 
         ready = [s for s in self._streams if s.pending]
-        urgent = sorted((s for s in ready if s.buffer_s(now, self.sample_rate) < self.urgent_buffer_s), key=order)
-        if urgent:
-            return "urgent", urgent[: self.max_batch_size]
-        if ready:
-            return "background", sorted(ready, key=order)[: self.background_max_streams]
+        fresh = [s for s in ready if s.first_pcm_at is None]
+        if fresh:
+            return "first", sorted(fresh, key=order)[: self.max_batch_size]
+        urgent = [s for s in ready if s.buffer_s(now, self.sample_rate) < self.urgent_buffer_s]
+        for kind, streams in (("urgent", urgent), ("background", ready)):
+            if streams:
+                return kind, sorted(streams, key=order)[: self.background_max_streams]
         return "", []
 
     def _report(self, kind: str, num_streams: int, started: float) -> None:

@@ -103,7 +103,7 @@ class VocoderMetrics:
                                  description="Streams advanced by one StreamingVocoder.step call."),
             step_seconds=Histogram(
                 "moss_vocoder_step_seconds", boundaries=STEP_BOUNDARIES, tag_keys=("kind",),
-                description="Wall seconds of one vocoder call by kind: urgent / background step, finish."),
+                description="Wall seconds of one vocoder call by kind: first / urgent / background step, finish."),
             time_to_first_pcm=Histogram(
                 "moss_vocoder_time_to_first_pcm_seconds", boundaries=TTFA_BOUNDARIES,
                 description="Seconds from an utterance reaching the vocoder deployment to its first PCM leaving it."),

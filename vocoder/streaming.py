@@ -477,8 +477,13 @@ class StreamingVocoder:
         if not ready:
             return out
         with torch.inference_mode():
+            # The flow integrates up to the last chunk's end plus BigVGAN's right context, not to every code
+            # it could: its shapes then follow the chunk schedule whatever the pushes' sizes were (the
+            # warm-up's shapes), and the codes past that end wait for the next chunk. Same mel either way.
             flow_targets = [
-                sessions[i].num_codes if finishing else sessions[i].num_codes - LOOKAHEAD_CODES for i in ready
+                sessions[i].num_codes if finishing
+                else min(sessions[i].num_codes - LOOKAHEAD_CODES, -(-(plans[i][-1] + self.right_context) // _F))
+                for i in ready
             ]
             self._advance_flow([sessions[i] for i in ready], flow_targets)
             pcm = self._vocode([sessions[i] for i in ready], [plans[i] for i in ready])
@@ -509,7 +514,8 @@ class StreamingVocoder:
         if not work:
             return
         starts = [max(s.codes_start, s.flow_cursor - self.history_codes) for s, _ in work]
-        windows = [s.codes[w - s.codes_start :] for (s, _), w in zip(work, starts)]
+        # codes past target + lookahead cannot change frames before the target: left out of the window
+        windows = [s.codes[w - s.codes_start : t + LOOKAHEAD_CODES - s.codes_start] for (s, t), w in zip(work, starts)]
         n_max = self._bucket_codes(max(len(w) for w in windows))
         rows = self._bucket_rows(len(work))  # padding rows: code 0, all valid, output unused
         codes = torch.zeros(rows, n_max, dtype=torch.long)

@@ -88,7 +88,7 @@ def test_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -
         batcher.end(a)
         out_a, out_b = await asyncio.gather(drain(a.out), drain(b.out))
         assert vocoder.steps == [[("default-1", [1, 2, 3, 4]), ("default-2", [7])]]
-        assert sizes == [("urgent", 2), ("finish", 2)]  # no audio yet: both urgent
+        assert sizes == [("first", 2), ("finish", 2)]  # no audio yet
         assert out_a == [1.0] * 4 + [2.0] * 4 + [3.0] * 4 + [4.0] * 4
         assert out_b == [7.0] * 4
         assert (a.num_codes, a.num_samples, b.num_samples) == (4, 16, 4)
@@ -133,10 +133,12 @@ def test_urgent_streams_step_alone_and_background_steps_are_bounded() -> None:
                 stream.pending_since = since
         assert s["b"].buffer_s(now, 128) == 0.25 and s["a"].buffer_s(now, 128) == -math.inf
         assert s["g"].lag_s(now, 128) == 0.5  # no codes pending: not stepped, though it lags
+        kind, streams = batcher.pick(now)  # no audio yet: longest waiting first
+        assert (kind, [x.session.name for x in streams]) == ("first", ["v-5", "v-0"])
+        s["a"].pending, s["f"].pending = [], []
         kind, streams = batcher.pick(now)
-        assert (kind, [x.session.name for x in streams]) == ("urgent", ["v-5", "v-0", "v-1"])
-        for stream in streams:
-            stream.pending = []
+        assert (kind, [x.session.name for x in streams]) == ("urgent", ["v-1"])
+        s["b"].pending = []
         kind, streams = batcher.pick(now)  # buffers 2.0 (c), 1.0 (d), 0.75 (e): the 2 least buffered
         assert (kind, [x.session.name for x in streams]) == ("background", ["v-4", "v-3"])
         s["c"].pending, s["d"].pending, s["e"].pending = [], [], []

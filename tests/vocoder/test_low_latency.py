@@ -62,6 +62,21 @@ def test_audio_depends_on_codes_not_on_push_sizes(
     assert float(np.abs(pcm - np.concatenate(by_one)).max()) < SAME
 
 
+def test_flow_stops_at_the_last_chunk_end_whatever_the_push_size(vocoder: StreamingVocoder, codes: list[int]) -> None:
+    """A push of 9 codes completes chunks [0, 2) and [2, 5) (5 + 3 lookahead <= 9): the flow integrates to
+    code 5, not to 9 - 3 = 6, so its shapes follow the chunk schedule; the next chunk then starts there."""
+    session = vocoder.open("default", seed=SEED)
+    try:
+        p = session.num_prompt_codes  # cursors count the voice's prompt codes too
+        first = vocoder.push(session, codes[:9])
+        assert (len(first), session.flow_cursor - p, session.emitted_frames - 4 * p) == (
+            5 * SAMPLES_PER_CODE - OVERLAP, 5, 20)
+        assert len(vocoder.push(session, codes[9:12])) == 0 and session.flow_cursor - p == 5  # [5, 10) needs 13
+        assert len(vocoder.push(session, codes[12:13])) == 5 * SAMPLES_PER_CODE and session.flow_cursor - p == 10
+    finally:
+        vocoder.close(session)
+
+
 def test_close_to_whole_and_exact_outside_crossfades(by_one: list[np.ndarray], reference: np.ndarray) -> None:
     pcm = np.concatenate(by_one)
     assert pcm.shape == reference.shape and np.isfinite(pcm).all()
