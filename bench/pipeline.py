@@ -130,7 +130,7 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
-                        "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s",
+                        "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s", "vocoder_batching",
                         "vocoder_background_max_streams")}
     return dict(args.get("engine", {})), vocoder
 
@@ -160,6 +160,8 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
     batcher_options = {k: vocoder_kwargs.pop(k) for k in ("urgent_buffer_s", "background_max_streams")
                        if k in vocoder_kwargs}
+    if "batching" in vocoder_kwargs:
+        batcher_options["policy"] = vocoder_kwargs.pop("batching")
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
     vocoder, warm = build_for_serving(**vocoder_kwargs)  # as deployments/vocoder_server.py builds it

@@ -81,7 +81,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
                       "triton_kernels": args.vocoder_triton_kernels}
     llm_app = llm.bind(dict(args.engine))
-    streaming = {"codes_batch_s": args.codes_batch_s, "urgent_buffer_s": args.vocoder_urgent_buffer_s,
+    streaming = {"codes_batch_s": args.codes_batch_s, "policy": args.vocoder_batching,
+                 "urgent_buffer_s": args.vocoder_urgent_buffer_s,
                  "background_max_streams": args.vocoder_background_max_streams}
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

@@ -73,6 +73,8 @@ class AppArgs(BaseModel):
     # streams whose listener has less than `vocoder_urgent_buffer_s` of audio buffered; then the rest. The
     # last two kinds of step take at most `vocoder_background_max_streams` streams (None: max batch size).
     vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
+    # "fifo": the earlier rule (every stream with codes pending in one step), kept for A/B runs.
+    vocoder_batching: Literal["buffer", "fifo"] = "buffer"
     vocoder_background_max_streams: int | None = Field(default=None, ge=1)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which

@@ -14,6 +14,8 @@ audio delivered minus time since the first chunk), in three classes, the first n
 `background_max_streams` per step. A newcomer's first chunk therefore never queues behind, nor is padded
 to, the big chunks of streams that have audio in hand, and no step grows so long that the next newcomer
 waits for it. Nothing is lost by waiting: a stream's PCM depends only on its codes.
+`policy="fifo"` is the earlier rule, kept for A/B runs: every stream with pending codes (up to
+`max_batch_size`, longest waiting first) in one step.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 END = None  # put on a stream's queue after its last PCM chunk
+POLICIES = ("buffer", "fifo")
 
 
 class BatchedStream:
@@ -61,9 +64,11 @@ class BatchedStream:
 class VocoderBatcher:
     """Owns the vocoder's worker thread and the batching loop of one replica."""
 
-    def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int,
+    def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "buffer",
                  urgent_buffer_s: float = 0.5, background_max_streams: int | None = None,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not urgent_buffer_s >= 0:
             raise ValueError(f"urgent_buffer_s must be >= 0, got {urgent_buffer_s}")
         if background_max_streams is not None and background_max_streams < 1:
@@ -71,6 +76,7 @@ class VocoderBatcher:
         self.vocoder = vocoder
         self.max_batch_size = max_batch_size
         self.sample_rate = sample_rate
+        self.policy = policy
         self.urgent_buffer_s = urgent_buffer_s
         self.background_max_streams = min(background_max_streams or max_batch_size, max_batch_size)
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "finish", streams, seconds)
@@ -185,6 +191,8 @@ class VocoderBatcher:
             return s.buffer_s(now, self.sample_rate), s.pending_since
 
         ready = [s for s in self._streams if s.pending]
+        if self.policy == "fifo":
+            return ("fifo", sorted(ready, key=lambda s: s.pending_since)[: self.max_batch_size]) if ready else ("", [])
         fresh = [s for s in ready if s.first_pcm_at is None]
         if fresh:
             return "first", sorted(fresh, key=order)[: self.max_batch_size]

@@ -32,7 +32,7 @@ class VocoderServer:
 
     async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any,
                        streaming: dict[str, Any] | None = None) -> None:
-        """`streaming`: `codes_batch_s`, `urgent_buffer_s`, `background_max_streams` (AppArgs)."""
+        """`streaming`: `codes_batch_s`, `policy`, `urgent_buffer_s`, `background_max_streams` (AppArgs)."""
         from vocoder.config import SAMPLE_RATE
         from vocoder.streaming import build_for_serving
 
@@ -47,7 +47,7 @@ class VocoderServer:
         self._batch_sizes = RecentWindow(window_s=30.0)
         self._batcher = VocoderBatcher(
             self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
-            urgent_buffer_s=streaming.get("urgent_buffer_s", 0.5),
+            policy=streaming.get("policy", "buffer"), urgent_buffer_s=streaming.get("urgent_buffer_s", 0.5),
             background_max_streams=streaming.get("background_max_streams"), on_step=self._on_step)
         self._codes_stream = {"eager_codes": self._vocoder.codes_for_two_chunks,
                               "batch_s": streaming.get("codes_batch_s", 0.0)}

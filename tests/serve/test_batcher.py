@@ -141,6 +141,10 @@ def test_urgent_streams_step_alone_and_background_steps_are_bounded() -> None:
         s["b"].pending = []
         kind, streams = batcher.pick(now)  # buffers 2.0 (c), 1.0 (d), 0.75 (e): the 2 least buffered
         assert (kind, [x.session.name for x in streams]) == ("background", ["v-4", "v-3"])
+        batcher.policy = "fifo"  # the earlier rule: everyone pending, longest waiting first
+        kind, streams = batcher.pick(now)
+        assert (kind, [x.session.name for x in streams]) == ("fifo", ["v-2", "v-3", "v-4"])
+        batcher.policy = "buffer"
         s["c"].pending, s["d"].pending, s["e"].pending = [], [], []
         assert batcher.pick(now) == ("", [])
         await batcher.shutdown()
@@ -149,8 +153,8 @@ def test_urgent_streams_step_alone_and_background_steps_are_bounded() -> None:
 
 
 def test_batcher_options_are_validated() -> None:
-    for kwargs in ({"urgent_buffer_s": -1.0}, {"background_max_streams": 0}):
-        with pytest.raises(ValueError, match="urgent_buffer_s|background_max_streams"):
+    for kwargs in ({"urgent_buffer_s": -1.0}, {"background_max_streams": 0}, {"policy": "edf"}):
+        with pytest.raises(ValueError, match="urgent_buffer_s|background_max_streams|policy"):
             VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000, **kwargs)
     assert VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000,
                           background_max_streams=9).background_max_streams == 4
