@@ -88,8 +88,9 @@ class LLMServer:
                 item = to_event(event)
                 if item["type"] == "codes" and not saw_audio:
                     saw_audio = True
-                    self._ttfa.add(time.monotonic() - started)
-                    self._metrics.time_to_first_code.observe(time.monotonic() - started)
+                    first_code_s = time.monotonic() - started
+                    self._ttfa.add(first_code_s)
+                    self._metrics.time_to_first_code.observe(first_code_s)
                 is_finished = item["type"] == "finished"
                 yield item
                 if is_finished:
