@@ -233,7 +233,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     for v in variants:
         opts = {"pdl": "wait" if "pdl" in v else "off", "pdl_max_rows": 1 << 30, "parallel_tails": "tails2" in v}
         for name, w, one_row in (("gemv", weights, "gemv"), ("mixed", weights, "mixed"),
-                                 ("fp8_gemv", fp8_weights, "gemv")):
+                                 ("mixed2", weights, "mixed2"), ("fp8_gemv", fp8_weights, "gemv")):
             r = DecodeGraphRunner(FastForward(w, ops, fp8_small_batch=fp8_small, one_row=one_row, **opts), cache,
                                   max_model_len=args.max_model_len, buckets=[1])
             r.capture()

@@ -19,7 +19,7 @@ from runtime.attention import AttentionMetadata
 from runtime.fast_ops import TorchOps, TritonOps, default_ops, rope_tables
 from runtime.fp8 import Fp8Weight, linear
 from runtime.fused import FusedWeights, LayerWeights
-from runtime.kernels import L2_PREFETCH_MODES, pdl_launches, resolve_pdl
+from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.kv_cache import KVCache
 
 
@@ -63,25 +63,6 @@ class StepInputs:
 
 
 ONE_ROW_MODES = ("cublas", "gemv", "mixed", "mixed2")
-PREFETCH_MATRICES = ("o", "gate_up", "down")  # what a layer reads after its QKV product, in order
-
-
-def parse_l2_prefetch(spec: str) -> tuple[tuple[str, int | None], ...]:
-    """An `l2_prefetch` option -> ((matrix, bytes or None for all), ...), in prefetch order.
-
-    "off" -> (); "o" -> (("o", None),); "o+gate_up:16" -> (("o", None), ("gate_up", 16 MiB)).
-    """
-    if spec == "off":
-        return ()
-    items: list[tuple[str, int | None]] = []
-    for part in spec.split("+"):
-        name, _, mib = part.partition(":")
-        if name not in PREFETCH_MATRICES or name in [n for n, _ in items]:
-            raise ValueError(f"l2_prefetch: {part!r} in {spec!r}: each item is one of {PREFETCH_MATRICES}, once")
-        if mib and not (mib.isdigit() and int(mib) > 0):
-            raise ValueError(f"l2_prefetch: {part!r} in {spec!r}: the size is a positive whole number of MiB")
-        items.append((name, int(mib) * 2**20 if mib else None))
-    return tuple(items)
 
 
 class FastForward:
@@ -90,14 +71,15 @@ class FastForward:
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
         one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 64, parallel_tails: bool | None = None,
-        l2_prefetch: str = "off", l2_prefetch_mode: str = "bulk", l2_prefetch_max_rows: int = 1,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
         fused in front for all four layer matrices and the heads (runtime/kernels/gemv.py); "mixed" =
         cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused); "mixed2" = cuBLAS for
         gate/up only (QKV through the GEMV with the RMSNorm fused in front). Default: "gemv" for FP8
-        weights, "mixed" for bf16: the fastest of the three for each on the H200 (docs/gpu.md).
+        weights, "mixed2" for bf16: the fastest for each on the H200 with the default launch options
+        (bf16 `mixed2` 4.665 vs `mixed` 4.733 ms in two interleaved A/B runs, bench/results/decode-ab-h200/;
+        docs/gpu.md).
         `pdl`: how the Triton kernels of steps of at most `pdl_max_rows` rows are launched (one of
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
@@ -108,12 +90,7 @@ class FastForward:
         joins them before it returns. Measured on the H200 (4 runs): one-stream steps 3-4% faster, 64-128
         streams 0-2%. Prefill steps stay on one stream: they are compute-bound (512 rows: -0.8% to +2.6%
         over 3 runs), and the second stream's activations in the prefill graphs cost 0.5 GiB of the 24 GB
-        profile's memory (bench/profile_24gb.py, docs/gpu.md).
-        `l2_prefetch` (CUDA + Triton only; see `parse_l2_prefetch`): in decode steps of at most
-        `l2_prefetch_max_rows` rows, right after each layer's QKV product a side branch asks for the named
-        matrices of the same layer (or their first MiB) to be brought into L2 (runtime/kernels/l2_prefetch.py,
-        `l2_prefetch_mode`), while RoPE and the attention keep DRAM nearly idle; each tail joins its branch
-        before it returns. Values are unchanged (a cache hint)."""
+        profile's memory (bench/profile_24gb.py, docs/gpu.md)."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -122,7 +99,7 @@ class FastForward:
         self.fp8_small_batch = fp8_small_batch
         if one_row is None:
             is_fp8 = isinstance(weights.text_head, Fp8Weight) or isinstance(weights.shared[0].down, Fp8Weight)
-            one_row = "gemv" if is_fp8 else "mixed"
+            one_row = "gemv" if is_fp8 else "mixed2"
         if one_row not in ONE_ROW_MODES:
             raise ValueError(f"one_row must be one of {ONE_ROW_MODES}, got {one_row!r}")
         # the GEMV kernel streams K in tiles of up to 2048 (true of the real shape, not of `tiny`)
@@ -134,18 +111,6 @@ class FastForward:
         on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
-        plan = parse_l2_prefetch(l2_prefetch)
-        if l2_prefetch_mode not in L2_PREFETCH_MODES:
-            raise ValueError(f"l2_prefetch_mode must be one of {L2_PREFETCH_MODES}, got {l2_prefetch_mode!r}")
-        self.l2_prefetch = plan if on_cuda and isinstance(self.ops, TritonOps) else ()
-        if self.l2_prefetch and l2_prefetch_mode == "bulk" and torch.cuda.get_device_capability(device)[0] < 9:
-            raise ValueError("l2_prefetch_mode 'bulk' needs compute capability 9.0+ (use 'line')")
-        self.l2_prefetch_mode = l2_prefetch_mode
-        self.l2_prefetch_max_rows = l2_prefetch_max_rows
-        # one side stream per chain of layers (main; audio tail), made here: not during a graph capture
-        self._prefetch_streams = (
-            (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.l2_prefetch else ()
-        )
 
     def decode_num_parts(self, batch: int, max_context: int) -> int:
         """Key partitions the decode attention uses for this batch size and longest context."""
@@ -163,17 +128,15 @@ class FastForward:
 
     def _layer(
         self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
-        kv_cache: KVCache, prefetch: torch.cuda.Stream | None = None,
+        kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer; returns (mlp output, residual before it): the layer output is their sum.
-        `prefetch`: the side stream for this layer's L2 prefetch (None = none)."""
+        """One decoder layer; returns (mlp output, residual before it): the layer output is their sum."""
         cfg, ops = self.config, self.ops
         n = x.shape[0]
         if self.one_row != "cublas" and n == 1:
-            return self._layer_one_row(layer, x, residual, step, kv_cache, prefetch)
+            return self._layer_one_row(layer, x, residual, step, kv_cache)
         h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
         qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
-        self._prefetch(layer, prefetch)
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
         q = ops.qk_norm_rope_store(
             qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
@@ -192,7 +155,7 @@ class FastForward:
 
     def _layer_one_row(
         self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
-        kv_cache: KVCache, prefetch: torch.cuda.Stream | None,
+        kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_layer` for a single row: the GEMV launches carry the norms, residual adds and SiLU."""
         from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL
@@ -204,7 +167,6 @@ class FastForward:
             qkv = self._linear(h, layer.qkv)
         else:
             qkv, residual = _gemv(x, layer.qkv, RMSNORM, residual, layer.input_norm, eps)  # [1, (H+2KV)*D]
-        self._prefetch(layer, prefetch)
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]
         q = ops.qk_norm_rope_store(
             qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
@@ -223,30 +185,11 @@ class FastForward:
 
     def _tail(
         self, layers: tuple[LayerWeights, ...], x: torch.Tensor, residual: torch.Tensor | None,
-        step: StepInputs, kv_cache: KVCache, chain: int = 0,
+        step: StepInputs, kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`layers` in order; `chain` picks the prefetch side stream (0 main, 1 the audio tail's), joined
-        before returning."""
-        prefetch = None
-        if self.l2_prefetch and step.max_query_len == 1 and x.shape[0] <= self.l2_prefetch_max_rows:
-            prefetch = self._prefetch_streams[chain]
         for layer in layers:
-            x, residual = self._layer(layer, x, residual, step, kv_cache, prefetch)
-        if prefetch is not None:
-            torch.cuda.current_stream(x.device).wait_stream(prefetch)
+            x, residual = self._layer(layer, x, residual, step, kv_cache)
         return x, residual
-
-    def _prefetch(self, layer: LayerWeights, stream: torch.cuda.Stream | None) -> None:
-        """Fork `stream` from the current one and issue this layer's L2 prefetches on it (see __init__)."""
-        if stream is None:
-            return
-        from runtime.kernels.l2_prefetch import prefetch_l2
-
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
-            for name, nbytes in self.l2_prefetch:
-                w = getattr(layer, name)
-                prefetch_l2(w.weight if isinstance(w, Fp8Weight) else w, nbytes, mode=self.l2_prefetch_mode)
 
     def _head(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, head: object, step: StepInputs
@@ -295,7 +238,7 @@ class FastForward:
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, kv_cache: KVCache
     ) -> torch.Tensor:
         """Audio tail and head -> [S, Va] float32."""
-        audio, audio_res = self._tail(self.weights.audio, x, residual, step, kv_cache, chain=1)
+        audio, audio_res = self._tail(self.weights.audio, x, residual, step, kv_cache)
         return self._head(audio, audio_res, self.weights.audio_norm, self.weights.audio_head, step)
 
 

@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover - CPU CI has no triton
     HAS_TRITON = False
 
 PDL_MODES = ("off", "wait")
-L2_PREFETCH_MODES = ("bulk", "line")  # runtime/kernels/l2_prefetch.py
 _pdl = threading.local()
 
 
@@ -74,4 +73,4 @@ def pdl_supported(device_capability: tuple[int, int]) -> bool:
     return hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-__all__ = ["HAS_TRITON", "L2_PREFETCH_MODES", "PDL_MODES", "pdl_launches", "pdl_mode", "pdl_supported", "resolve_pdl"]
+__all__ = ["HAS_TRITON", "PDL_MODES", "pdl_launches", "pdl_mode", "pdl_supported", "resolve_pdl"]

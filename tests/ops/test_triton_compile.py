@@ -106,15 +106,3 @@ if __name__ == "__main__":  # the sm_89 builds, in a process that targets nothin
         ptx = _ptx(fn, signature, constexprs | {"USE_PDL": False}, ADA)
         assert ".entry" in ptx and "griddepcontrol" not in ptx, name
         print(name, flush=True)
-
-
-def test_l2_prefetch_kernels_compile_to_their_prefetch_instructions() -> None:
-    from runtime.kernels import l2_prefetch
-
-    sig = {"base": "i64", "nbytes": "i32"}
-    bulk = _ptx(l2_prefetch._bulk_kernel, sig, {"CHUNK": l2_prefetch.BULK_CHUNK, "LANES": l2_prefetch.BULK_LANES},
-                HOPPER)
-    assert bulk.count("cp.async.bulk.prefetch.L2.global") == 1  # one request per lane, predicated on its size
-    line = _ptx(l2_prefetch._line_kernel, sig, {"LINE_BYTES": l2_prefetch.LINE, "LANES": l2_prefetch.LINE_LANES},
-                HOPPER)
-    assert "prefetch.global.L2::evict_last" in line and "cp.async.bulk" not in line

@@ -246,13 +246,8 @@ def test_launch_options_are_validated_and_inert_off_cuda(model: MossSpeechForCau
     weights = fuse_model_weights(model)
     with pytest.raises(ValueError, match="pdl must be one of"):
         FastForward(weights, TorchOps(), pdl="early")
-    with pytest.raises(ValueError, match="l2_prefetch_mode must be one of"):
-        FastForward(weights, TorchOps(), l2_prefetch="o", l2_prefetch_mode="ld")
-    with pytest.raises(ValueError, match="each item is one of"):
-        FastForward(weights, TorchOps(), l2_prefetch="qkv")
-    fast = FastForward(weights, TorchOps(), pdl="wait", parallel_tails=True, l2_prefetch="o+gate_up:4")
-    # PyTorch ops, CPU: none applies
-    assert fast.pdl == "off" and fast.tail_stream is None and fast.l2_prefetch == ()
+    fast = FastForward(weights, TorchOps(), pdl="wait", parallel_tails=True)
+    assert fast.pdl == "off" and fast.tail_stream is None  # PyTorch ops, CPU: neither applies
     cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
     rows = make_rows(5, 7)
     tokens, is_audio, positions, attn = _plain_step(model, cache, [(rows, 5, [0, 1])])
@@ -263,16 +258,3 @@ def test_launch_options_are_validated_and_inert_off_cuda(model: MossSpeechForCau
     assert text.shape == (1, CONFIG.vocab_size) and audio.shape == (1, CONFIG.audio_vocab_size)
     torch.testing.assert_close(text, want_text, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(audio, want_audio, rtol=1e-4, atol=1e-4)
-
-
-def test_l2_prefetch_spec_parses_to_matrices_and_bytes_in_order() -> None:
-    from runtime.fast_forward import parse_l2_prefetch
-
-    assert parse_l2_prefetch("off") == ()
-    assert parse_l2_prefetch("o") == (("o", None),)
-    assert parse_l2_prefetch("o+gate_up:16") == (("o", None), ("gate_up", 16 * 2**20))
-    assert parse_l2_prefetch("gate_up:1+down") == (("gate_up", 2**20), ("down", None))
-    for bad, why in (("o+o", "once"), ("qkv", "one of"), ("o:0", "positive"), ("o:1.5", "positive"),
-                     ("", "one of"), ("o+", "one of")):
-        with pytest.raises(ValueError, match=why):
-            parse_l2_prefetch(bad)

@@ -1,0 +1,136 @@
+"""A/B of decode-step options: CUDA graphs of the full random-weight model, timed in interleaved rounds.
+
+    PYTHONUNBUFFERED=1 python bench/decode_ab.py \\
+        --variant "bf16/1/one_row=mixed,pdl=wait,parallel_tails=1" \\
+        --variant "bf16/1/one_row=mixed2,pdl=wait,parallel_tails=1" --out bench/results/decode-ab.json
+
+A variant is `weights/batch/options`: weights "bf16" or "fp8" (every matrix, as `with_fp8(..., "all")`),
+the decode batch, and `FastForward` keyword options (ints and "1"/"0" booleans converted). Each variant gets
+its own graph over the same KV cache (512-token contexts) and inputs. Before timing, its logits are compared
+with the first variant of the same weights and batch (launch options must leave them bit-identical;
+another one-row mode rounds differently: max abs difference and top-1 agreement are reported). Timings:
+median of `--reps` replays per round; rounds alternate the order; the reported figure is the median of
+the rounds. bench/engine.py stays the run the README quotes; this is for deciding what it should time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fast_tools import Blocks, copy_bandwidth_gbps, log, logit_compare, make_rows, plain_inputs, time_ms
+from runtime.config import ModelConfig
+from runtime.cuda_graph import DecodeGraphRunner
+from runtime.fast_forward import FastForward
+from runtime.fast_ops import TritonOps
+from runtime.fused import fuse_model_weights, with_fp8
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.model import build_model
+
+INT_OPTIONS = ("pdl_max_rows",)
+BOOL_OPTIONS = ("parallel_tails",)
+
+
+def parse_variant(text: str) -> tuple[str, int, dict]:
+    """"bf16/1/one_row=mixed,pdl=wait,parallel_tails=1" -> ("bf16", 1, {"one_row": "mixed", ...})."""
+    parts = text.split("/")
+    if len(parts) != 3 or parts[0] not in ("bf16", "fp8") or not parts[1].isdigit():
+        raise ValueError(f"variant {text!r}: expected weights/batch/options, weights bf16 or fp8")
+    options: dict = {}
+    for item in filter(None, parts[2].split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
+        options[key] = int(value) if key in INT_OPTIONS else value == "1" if key in BOOL_OPTIONS else value
+    return parts[0], int(parts[1]), options
+
+
+def main(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", action="append", required=True, help="weights/batch/options (repeat)")
+    p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    specs = [parse_variant(v) for v in args.variant]
+    device = torch.device("cuda")
+    result: dict = {"bench": "decode_ab", "command": shlex.join(["python", "bench/decode_ab.py", *argv]),
+                    "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                    "copy_gbps": round(copy_bandwidth_gbps(device), 1), "context_len": args.context_len}
+    model = build_model(ModelConfig.preset("full"), seed=0, device=device, dtype=torch.bfloat16)
+    config = model.config
+    bf16 = fuse_model_weights(model)
+    weights = {"bf16": bf16}
+    if any(s[0] == "fp8" for s in specs):
+        weights["fp8"] = with_fp8(bf16, "all")
+    ops = TritonOps()
+    bs, ctx = 16, args.context_len
+    batches = sorted({s[1] for s in specs})
+    per_seq = (ctx + 32) // bs + 1
+    cache = allocate_kv_cache(config, (sum(batches) + 4) * per_seq, bs, device, torch.bfloat16)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    blocks = Blocks()
+    inputs = {}
+    for b in batches:
+        tables = [blocks.take(ctx + 1, bs) for _ in range(b)]
+        tok, aud, pos, attn = plain_inputs(make_rows(b, 100 + b), [(1, ctx + 1, t) for t in tables], bs, device)
+        inputs[b] = (tok, aud, pos, attn.slot_mapping, torch.tensor(tables, dtype=torch.int32, device=device),
+                     torch.full((b,), ctx + 1, dtype=torch.int32, device=device))
+    log("model ready")
+
+    runners, logits, rows = [], [], []
+    for text, (w, b, options) in zip(args.variant, specs, strict=True):
+        runner = DecodeGraphRunner(FastForward(weights[w], ops, **options), cache, max_model_len=ctx + 64,
+                                   buckets=[b])
+        runner.capture()
+        out = tuple(t.clone() for t in runner.run(*inputs[b]))
+        assert all(o.shape[0] == b and bool(torch.isfinite(o).all()) for o in out), text
+        base = next(i for i, s in enumerate(specs) if s[:2] == (w, b))
+        row: dict = {"variant": text, "weights": w, "batch": b, "options": options,
+                     "one_row": runner.forward.one_row, "pdl": runner.forward.pdl,
+                     "matrix_bytes": weights[w].matrix_bytes()}
+        if base != len(runners):
+            row["vs"] = args.variant[base]
+            row["logits_equal"] = all(torch.equal(x, y) for x, y in zip(out, logits[base], strict=True))
+            row["logits_vs"] = logit_compare(out, logits[base])
+        runners.append(runner)
+        logits.append(out)
+        rows.append(row)
+    log(f"captured {len(runners)} graphs")
+
+    timings: list[list[float]] = [[] for _ in runners]
+    order = list(range(len(runners)))
+    for rnd in range(args.rounds):
+        for i in (order if rnd % 2 == 0 else order[::-1]):
+            r = runners[i]
+            timings[i].append(time_ms(r.graphs[r.buckets[0]].replay, 3, args.reps)["median_ms"])
+        log(f"round {rnd}: " + ", ".join(f"{timings[i][-1]:.3f}" for i in order))
+    kv_per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
+    for row, ts in zip(rows, timings, strict=True):
+        med = statistics.median(ts)
+        moved = row["matrix_bytes"] + row["batch"] * (ctx + 1) * kv_per_token
+        row.update({"median_ms": round(med, 4), "rounds_ms": [round(t, 4) for t in ts],
+                    "copy_fraction": round(moved / (med / 1e3) / 1e9 / result["copy_gbps"], 3)})
+        log(f"{row['variant']}: {med:.4f} ms " + json.dumps({k: row[k] for k in ("rounds_ms", "copy_fraction")}))
+    result["variants"] = rows
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(result))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
