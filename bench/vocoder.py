@@ -302,6 +302,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-seconds", type=float, default=330.0, help="skip rows predicted to end later")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here after every row")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="torch.backends.cudnn.benchmark = True (cuDNN times its algorithms per conv shape)")
     args = p.parse_args()
     args.schedule = tuple(int(c) for c in args.schedule.split(","))
     return args
@@ -313,6 +315,7 @@ def main() -> None:
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     on_cuda = args.device.startswith("cuda")
     default_variants = (
         "eager-float32,graph-bfloat16,graphpartial-bfloat16,graphfused-bfloat16,graphfused-float16"
@@ -329,6 +332,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if on_cuda else f"cpu x{torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "latency": args.latency,
         "rows": [],
         "verify": {},

@@ -100,6 +100,7 @@ def fused_linear(
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     gelu: bool = False,
     residual: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N]: `gelu?(layer_norm?(x) @ weight.T + bias) + residual`.
 
@@ -119,12 +120,14 @@ def fused_linear(
     if residual is not None:
         assert residual.shape == (m, n), (residual.shape, (m, n))
         residual = residual.contiguous()
-    bk = triton.next_power_of_2(k) if norm is not None else min(256, triton.next_power_of_2(k))
-    if norm is not None and bk > 256:
+    if norm is not None and k > 256:
         raise ValueError(f"fused_linear holds normalised rows whole: K <= 256, got {k}")
+    bm, bn, bk, warps, stages = tiles if tiles is not None else linear_tiles(m, k, norm is not None)
+    if norm is not None:
+        bk = triton.next_power_of_2(k)  # whole rows for the norm's statistics
+        if m > SMALL_ROWS:
+            stages = 1  # one K step: nothing to pipeline, and two big stages would not fit shared memory
     gamma, beta, eps = norm if norm is not None else (weight, weight, 0.0)
-    bm = 16 if m <= 16 else 32
-    bn = 32
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fused_linear_kernel[grid](
         x,
@@ -146,11 +149,23 @@ def fused_linear(
         BM=bm,
         BN=bn,
         BK=bk,
-        num_warps=4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
         **pdl_args(),
     )
     return y
+
+
+SMALL_ROWS = 1024  # up to here the narrow tiles of the few-row steps
+LARGE_TILES = (64, 128, 64, 8, 3)  # (BM, BN, BK, warps, stages) above SMALL_ROWS
+
+
+def linear_tiles(m: int, k: int, has_norm: bool) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) of `fused_linear` for an [m, k] input: narrow column tiles for few rows
+    (a small matrix spread over many programs), GEMM-sized tiles for many (BK is K with a norm)."""
+    if m <= SMALL_ROWS:
+        return (16 if m <= 16 else 32), 32, min(256, triton.next_power_of_2(k)), 4, 2
+    return LARGE_TILES
 
 
 @triton.jit
