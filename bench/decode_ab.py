@@ -26,7 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import Blocks, copy_bandwidth_gbps, log, logit_compare, make_rows, plain_inputs, time_ms
+from bench.fast_tools import (
+    Blocks,
+    copy_bandwidth_gbps,
+    emit,
+    log,
+    logit_compare,
+    make_rows,
+    plain_inputs,
+    time_ms,
+)
 from runtime.config import ModelConfig
 from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward
@@ -125,10 +134,7 @@ def main(argv: list[str]) -> dict:
         log(f"{row['variant']}: {med:.4f} ms " + json.dumps({k: row[k] for k in ("rounds_ms", "copy_fraction")}))
     result["variants"] = rows
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return result
 
 

@@ -30,6 +30,7 @@ from bench.fast_tools import (
     Blocks,
     copy_bandwidth_gbps,
     decode_attention_sweep,
+    emit,
     gemv_microbench,
     graph_stepper,
     greedy,
@@ -116,11 +117,7 @@ def main(argv: list[str]) -> dict:
     model = build_model(ModelConfig.preset("full"), seed=0, device=torch.device("cuda"), dtype=torch.bfloat16)
     result = {"bench": "fast_path", "command": shlex.join(["python", "bench/fast_bench.py", *argv]),
               **run_fast(model, args)}
-    line = json.dumps(result)
-    print(line)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return result
 
 

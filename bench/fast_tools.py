@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,14 @@ Logits = tuple[torch.Tensor, torch.Tensor]
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def emit(result: dict, out: Path | None) -> None:
+    """Print the result as one JSON line; also write it, indented, to `out` when given."""
+    print(json.dumps(result))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> dict:

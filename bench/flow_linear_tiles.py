@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import graph_us_per_call, log
+from bench.fast_tools import emit, graph_us_per_call, log
 from vocoder.flow_layers import ChunkTransformer
 from vocoder.kernels import flow_fused
 
@@ -101,10 +101,7 @@ def main(argv: list[str]) -> dict:
         brow["max_abs_fused_vs_torch"] = round(float((got - want).abs().max()), 4)
         result["blocks"][str(m)] = brow
         log(f"block M={m}: {json.dumps(brow)}")
-    print(json.dumps(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out)
     return result
 
 
