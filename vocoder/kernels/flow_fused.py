@@ -107,7 +107,8 @@ def fused_linear(
     weight [N, K] (an nn.Linear's), bias [N], norm (LayerNorm weight [K], bias [K], eps), residual [M, N];
     all in x's dtype on one CUDA device. float32 runs the dot in IEEE float32 (no TF32). Built for the
     few-row steps (first chunks): narrow column tiles spread a small matrix over many programs, each
-    reading its rows whole (K <= 256 with a norm) or in 256-wide slices.
+    reading its rows whole (K <= 256 with a norm) or in 256-wide slices. `tiles` = (BM, BN, BK, warps,
+    stages) overrides `linear_tiles` (bench/flow_linear_tiles.py sweeps them).
     """
     assert x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     x, weight = x.contiguous(), weight.contiguous()
@@ -122,7 +123,7 @@ def fused_linear(
         residual = residual.contiguous()
     if norm is not None and k > 256:
         raise ValueError(f"fused_linear holds normalised rows whole: K <= 256, got {k}")
-    bm, bn, bk, warps, stages = tiles if tiles is not None else linear_tiles(m, k, norm is not None)
+    bm, bn, bk, warps, stages = tiles if tiles is not None else linear_tiles(m, k)
     if norm is not None:
         bk = triton.next_power_of_2(k)  # whole rows for the norm's statistics
         if m > SMALL_ROWS:
@@ -157,12 +158,16 @@ def fused_linear(
 
 
 SMALL_ROWS = 1024  # up to here the narrow tiles of the few-row steps
-LARGE_TILES = (64, 128, 64, 8, 3)  # (BM, BN, BK, warps, stages) above SMALL_ROWS
+# (BM, BN, BK, warps, stages) above SMALL_ROWS: among the best of bench/flow_linear_tiles.py's candidates, yet
+# slower than PyTorch's modules with a norm in front (bench/results/flow-linear-tiles-h200.json), which is why
+# ChunkTransformer sends steps of more than `fused_max_rows` rows to the modules and never gets here.
+LARGE_TILES = (64, 128, 64, 8, 3)
 
 
-def linear_tiles(m: int, k: int, has_norm: bool) -> tuple[int, int, int, int, int]:
+def linear_tiles(m: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, warps, stages) of `fused_linear` for an [m, k] input: narrow column tiles for few rows
-    (a small matrix spread over many programs), GEMM-sized tiles for many (BK is K with a norm)."""
+    (a small matrix spread over many programs), GEMM-sized tiles for many (`fused_linear` widens BK to K
+    when a norm comes first)."""
     if m <= SMALL_ROWS:
         return (16 if m <= 16 else 32), 32, min(256, triton.next_power_of_2(k)), 4, 2
     return LARGE_TILES
