@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import shlex
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench.fast_tools import copy_bandwidth_gbps, graph_us_per_call, log
+from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import quantize_weight
 from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
@@ -169,10 +168,7 @@ def main() -> None:
               "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
               "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
               **(tune_in_step(args) if args.in_step else sweep(args))}
-    print(json.dumps(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, Path(args.out) if args.out else None)
 
 
 def sweep(args: argparse.Namespace) -> dict:

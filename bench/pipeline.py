@@ -43,7 +43,7 @@ class Pipeline:
     """One engine and one batched vocoder, driven the way the deployments drive them."""
 
     def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, **batcher_options: Any) -> None:
-        """`batcher_options`: VocoderBatcher's `urgent_buffer_s` / `background_max_streams`."""
+        """`batcher_options`: VocoderBatcher's `policy` / `urgent_buffer_s` / `background_max_streams`."""
         from vocoder.config import SAMPLE_RATE
 
         self.engine = engine

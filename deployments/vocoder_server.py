@@ -36,7 +36,8 @@ class VocoderServer:
         from vocoder.config import SAMPLE_RATE
         from vocoder.streaming import build_for_serving
 
-        streaming = streaming or {}
+        batcher_options = dict(streaming or {})  # VocoderBatcher's policy options; its defaults otherwise
+        codes_batch_s = batcher_options.pop("codes_batch_s", 0.0)
         kwargs = dict(vocoder_kwargs)
         self._vocoder, warm = build_for_serving(kwargs.pop("preset"), **kwargs)
         if warm:
@@ -45,12 +46,9 @@ class VocoderServer:
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
-        self._batcher = VocoderBatcher(
-            self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
-            policy=streaming.get("policy", "buffer"), urgent_buffer_s=streaming.get("urgent_buffer_s", 0.5),
-            background_max_streams=streaming.get("background_max_streams"), on_step=self._on_step)
-        self._codes_stream = {"eager_codes": self._vocoder.codes_for_two_chunks,
-                              "batch_s": streaming.get("codes_batch_s", 0.0)}
+        self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
+                                       on_step=self._on_step, **batcher_options)
+        self._codes_stream = {"eager_codes": self._vocoder.codes_for_two_chunks, "batch_s": codes_batch_s}
         self._num_active = 0
         self._metrics.active_streams.set(0)
 

@@ -32,6 +32,11 @@ PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows with bucket_shapes
 
 
+def _codes_covering(frames: int) -> int:
+    """Codes whose mel frames reach `frames` (ceiling division by the frames per code)."""
+    return -(-frames // _F)
+
+
 def _pdl_scoped(fn: Callable, mode: str) -> Callable:
     """`fn` with its Triton kernels launched in PDL `mode` (captured graphs keep the launch attributes)."""
     if mode == "off":
@@ -371,7 +376,7 @@ class StreamingVocoder:
         """Codes a stream must have before its second chunk can be computed (its first two chunks plus the
         encoder lookahead and BigVGAN's right context): a producer should send these without delay."""
         stream = self.config.stream
-        right_codes = -(-self.right_context // _F)
+        right_codes = _codes_covering(self.right_context)
         if self.is_low_latency:
             sizes = stream.chunk_schedule_codes
             return LOOKAHEAD_CODES + right_codes + sizes[0] + sizes[min(1, len(sizes) - 1)]
@@ -482,7 +487,7 @@ class StreamingVocoder:
             # warm-up's shapes), and the codes past that end wait for the next chunk. Same mel either way.
             flow_targets = [
                 sessions[i].num_codes if finishing
-                else min(sessions[i].num_codes - LOOKAHEAD_CODES, -(-(plans[i][-1] + self.right_context) // _F))
+                else min(sessions[i].num_codes - LOOKAHEAD_CODES, _codes_covering(plans[i][-1] + self.right_context))
                 for i in ready
             ]
             self._advance_flow([sessions[i] for i in ready], flow_targets)
