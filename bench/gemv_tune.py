@@ -2,6 +2,8 @@
 
     python bench/gemv_tune.py --out bench/results/gemv-tune-h200.json
     python bench/gemv_tune.py --in-step --out bench/results/gemv-tune-step-h200.json
+    python bench/gemv_tune.py --dtypes fp8 --settings "fp8_unpack=cvt;fp8_unpack=bits" --out ...
+    python bench/gemv_tune.py --ab "prefetch=0;prefetch=1" --modes fp8_gemv,bf16_mixed2 --out ...
 
 Each matrix runs with the prologue the decode step gives it (QKV, gate/up and the heads: residual add +
 RMSNorm; o: none; down: SiLU-mul). For every launch shape (BLOCK_N x BLOCK_K, warps) the output is first
@@ -9,20 +11,24 @@ checked against a float32 reference, then timed per call inside a CUDA graph of 
 copies (2 for the text head), so L2 holds none of them. In the same run: `gemv()` as the serving path
 calls it (the tile of its table, runtime/kernels/gemv.py TILES), cuBLAS on the same bf16 matrix without
 a prologue (the plain product), and the device copy rate (the memory roofline). Pipeline stages are not
-swept: an earlier sweep of 1, 2 and 3 found them within 1% of each other everywhere.
+swept: an earlier sweep of 1, 2 and 3 found them within 1% of each other everywhere. The kernel's launch
+options (runtime/kernels/gemv.py OPTIONS) are as `--set` gives them, or each of `--settings` in turn.
 
 `--in-step` tunes the table where it is used: the full random-weight model's one-stream decode step
 (512-token context, CUDA graph, audio tail on its own stream as in serving, PDL as `--pdl`) is captured
 and timed once per candidate tile of one matrix at a time (coordinate descent over the matrices, 8
-candidate tiles each), for FP8 "gemv", bf16 "gemv" and bf16 "mixed" (o and down only) in that order.
-Before that, each mode's step is also timed with the kernel's weight load placed after the prologue's
-math instead of before it (the kernel's earlier order), as the same-run baseline of that change.
+candidate tiles each), for each of `--modes` (the GEMV's matrices of that one-row mode).
+
+`--ab` times that same step under each setting of the GEMV options, in `--rounds` interleaved rounds
+(median per setting), and compares each setting's logits with the first's (options that only change
+scheduling must leave them bit-identical).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +42,7 @@ import triton
 from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import quantize_weight
-from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
+from runtime.kernels.gemv import NONE, OPTIONS, RMSNORM, SILU_MUL, _gemv_kernel, fp8_bits, gemv, gemv_tile
 
 MATRICES = {"qkv": (6144, 4096, RMSNORM), "o": (4096, 4096, NONE), "gate_up": (24576, 4096, RMSNORM),
             "down": (4096, 12288, SILU_MUL), "text_head": (151680, 4096, RMSNORM),
@@ -72,62 +78,126 @@ def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps):
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
         PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
-        BLOCK_N=bn, BLOCK_K=bk, WEIGHT_FIRST=True, num_warps=warps, num_stages=1)
+        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(w), num_warps=warps,
+        num_stages=1)
 
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
               (32, 512, 8)]
+STEP_MODES = {"fp8_gemv": ("fp8", "gemv"), "bf16_gemv": ("bf16", "gemv"), "bf16_mixed": ("bf16", "mixed"),
+              "bf16_mixed2": ("bf16", "mixed2")}
+
+
+def parse_settings(text: str) -> list[dict]:
+    """"prefetch=0,fp8_unpack=cvt;prefetch=1" -> one dict of runtime.kernels.gemv.OPTIONS values each."""
+    out = []
+    for item in filter(None, text.split(";")):
+        setting = {}
+        for pair in filter(None, item.split(",")):
+            key, _, value = pair.partition("=")
+            if key not in OPTIONS:
+                raise SystemExit(f"unknown GEMV option {key!r}; known: {sorted(OPTIONS)}")
+            setting[key] = (value == "1") if isinstance(OPTIONS[key], bool) else value
+        out.append(setting)
+    return out
+
+
+def _label(setting: dict) -> str:
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(setting.items())) or "default"
+
+
+class StepBench:
+    """The full random-weight model's one-stream decode step as serving captures it, for one mode."""
+
+    def __init__(self, pdl: str) -> None:
+        from bench.fast_tools import Blocks, make_rows, plain_inputs
+        from runtime.config import ModelConfig
+        from runtime.fused import fuse_model_weights, with_fp8
+        from runtime.kv_cache import allocate_kv_cache
+        from runtime.model import build_model
+
+        dev = torch.device("cuda")
+        self.pdl = pdl
+        self.config = ModelConfig.preset("full")
+        model = build_model(self.config, seed=0, device=dev, dtype=torch.bfloat16)
+        self.weights = {"bf16": fuse_model_weights(model)}
+        self.weights["fp8"] = with_fp8(self.weights["bf16"], "all")
+        bs, ctx = 16, 512
+        self.context_len = ctx
+        self.cache = allocate_kv_cache(self.config, 64, bs, dev, torch.bfloat16)
+        self.cache.k.normal_(0, 1)
+        self.cache.v.normal_(0, 1)
+        table = Blocks(0).take(ctx + 1, bs)
+        tok, aud, pos, attn = plain_inputs(make_rows(1, 101), [(1, ctx + 1, table)], bs, dev)
+        self.run_args = (tok, aud, pos, attn.slot_mapping, torch.tensor([table], dtype=torch.int32, device=dev),
+                         torch.full((1,), ctx + 1, dtype=torch.int32, device=dev))
+
+    def step(self, mode: str) -> tuple[float, tuple[torch.Tensor, ...]]:
+        """Capture the step of `mode` (STEP_MODES) under the GEMV options in force; (median ms, logits)."""
+        from bench.fast_tools import time_ms
+        from runtime.cuda_graph import DecodeGraphRunner
+        from runtime.fast_forward import FastForward
+        from runtime.fast_ops import TritonOps
+
+        weights, one_row = STEP_MODES[mode]
+        fast = FastForward(self.weights[weights], TritonOps(), one_row=one_row, pdl=self.pdl)
+        runner = DecodeGraphRunner(fast, self.cache, max_model_len=1024, buckets=[1])
+        runner.capture()
+        logits = tuple(x.clone() for x in runner.run(*self.run_args))
+        ms = time_ms(runner.graphs[1].replay, 3, 20)["median_ms"]
+        del runner
+        return ms, logits
+
+
+def _drift(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> dict:
+    return {"max_abs_logit_diff": max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)),
+            "top1_equal": all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b, strict=True)),
+            "finite": all(bool(torch.isfinite(x).all()) for x in a)}
+
+
+def ab_in_step(args: argparse.Namespace) -> dict:
+    """Each `--ab` setting of the GEMV options, in interleaved rounds (order reversed every other round)."""
+    settings = parse_settings(args.ab)
+    bench = StepBench(args.pdl)
+    base = dict(OPTIONS)
+    out: dict = {"context_len": bench.context_len, "pdl": args.pdl, "rounds": args.rounds, "modes": []}
+    for mode in args.modes.split(","):
+        times: dict[str, list[float]] = {_label(s): [] for s in settings}
+        checks: dict[str, dict] = {}
+        ref = None
+        for r in range(args.rounds):
+            for setting in settings if r % 2 == 0 else settings[::-1]:
+                OPTIONS.update(base | setting)
+                ms, logits = bench.step(mode)
+                times[_label(setting)].append(ms)
+                if ref is None:
+                    ref = logits
+                checks.setdefault(_label(setting), _drift(logits, ref))
+        OPTIONS.update(base)
+        rows = [{"setting": label, "median_ms": round(statistics.median(t), 4), "round_ms": t, **checks[label]}
+                for label, t in times.items()]
+        for row in rows:
+            log(f"{mode} {row['setting']}: {row['median_ms']:.3f} ms {row['round_ms']} drift {checks[row['setting']]}")
+        out["modes"].append({"mode": mode, "settings": rows})
+    return out
 
 
 def tune_in_step(args: argparse.Namespace) -> dict:
     """Coordinate descent on runtime.kernels.gemv.TILES, timing the captured one-stream decode step."""
-    from bench.fast_tools import Blocks, make_rows, plain_inputs, time_ms
-    from runtime.config import ModelConfig
-    from runtime.cuda_graph import DecodeGraphRunner
-    from runtime.fast_forward import FastForward
-    from runtime.fast_ops import TritonOps
-    from runtime.fused import fuse_model_weights, with_fp8
     from runtime.kernels import gemv as gemv_mod
-    from runtime.kv_cache import allocate_kv_cache
-    from runtime.model import build_model
 
-    dev = torch.device("cuda")
     t_start = time.perf_counter()
-    config = ModelConfig.preset("full")
-    model = build_model(config, seed=0, device=dev, dtype=torch.bfloat16)
-    weights = fuse_model_weights(model)
-    fp8_weights = with_fp8(weights, "all")
-    bs, ctx = 16, 512
-    cache = allocate_kv_cache(config, 64, bs, dev, torch.bfloat16)
-    cache.k.normal_(0, 1)
-    cache.v.normal_(0, 1)
-    table = Blocks(0).take(ctx + 1, bs)
-    tok, aud, pos, attn = plain_inputs(make_rows(1, 101), [(1, ctx + 1, table)], bs, dev)
-    run_args = (tok, aud, pos, attn.slot_mapping, torch.tensor([table], dtype=torch.int32, device=dev),
-                torch.full((1,), ctx + 1, dtype=torch.int32, device=dev))
-    ops = TritonOps()
+    bench = StepBench(args.pdl)
     layer_keys = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-    head_keys = [(config.vocab_size, 4096), (config.audio_vocab_size, 4096)]
-    plan = [("fp8_gemv", fp8_weights, "gemv", [(1, *k) for k in layer_keys + head_keys]),
-            ("bf16_gemv", weights, "gemv", [(2, *k) for k in layer_keys + head_keys]),
-            ("bf16_mixed", weights, "mixed", [(2, 4096, 4096), (2, 4096, 12288)])]
-    out: dict = {"context_len": ctx, "pdl": args.pdl, "start_table": {str(k): v for k, v in gemv_mod.TILES.items()},
-                 "modes": []}
-    for name, w, one_row, keys in plan:
-        fast = FastForward(w, ops, one_row=one_row, pdl=args.pdl)
-
-        def step(fast: FastForward = fast) -> tuple[float, tuple[torch.Tensor, torch.Tensor]]:
-            runner = DecodeGraphRunner(fast, cache, max_model_len=1024, buckets=[1])
-            runner.capture()
-            logits = tuple(x.clone() for x in runner.run(*run_args))
-            ms = time_ms(runner.graphs[1].replay, 3, 20)["median_ms"]
-            del runner
-            return ms, logits
-
-        gemv_mod.WEIGHT_FIRST["on"] = False
-        late_ms, late_logits = step()
-        gemv_mod.WEIGHT_FIRST["on"] = True
-        start_ms, ref = step()
+    head_keys = [(bench.config.vocab_size, 4096), (bench.config.audio_vocab_size, 4096)]
+    plan = {"fp8_gemv": [(1, *k) for k in layer_keys + head_keys], "bf16_gemv": [(2, *k) for k in layer_keys + head_keys],
+            "bf16_mixed": [(2, 4096, 4096), (2, 4096, 12288)],
+            "bf16_mixed2": [(2, 6144, 4096), (2, 4096, 4096), (2, 4096, 12288)]}
+    out: dict = {"context_len": bench.context_len, "pdl": args.pdl, "options": dict(OPTIONS),
+                 "start_table": {str(k): v for k, v in gemv_mod.TILES.items()}, "modes": []}
+    for name in args.modes.split(","):
+        keys = plan[name]
+        start_ms, ref = bench.step(name)
         best_ms = start_ms
         trials = []
         for key in keys:
@@ -136,23 +206,19 @@ def tune_in_step(args: argparse.Namespace) -> dict:
                     continue
                 before = gemv_mod.TILES[key]
                 gemv_mod.TILES[key] = tile
-                ms, logits = step()
-                drift = max(float((a - b).abs().max()) for a, b in zip(logits, ref, strict=True))
-                finite = all(bool(torch.isfinite(x).all()) for x in logits)
-                trials.append({"key": list(key), "tile": list(tile), "step_ms": ms, "max_abs_logit_drift": drift,
-                               "finite": finite})
-                if finite and drift < 1.0 and ms < best_ms:
+                ms, logits = bench.step(name)
+                drift = _drift(logits, ref)
+                trials.append({"key": list(key), "tile": list(tile), "step_ms": ms, **drift})
+                if drift["finite"] and drift["max_abs_logit_diff"] < 1.0 and ms < best_ms:
                     best_ms = ms
                 else:
                     gemv_mod.TILES[key] = before
             log(f"{name} {key}: {gemv_mod.TILES[key]} -> step {best_ms:.3f} ms")
-        end_ms, _ = step()
-        out["modes"].append({"mode": name, "weight_load_after_prologue_step_ms": late_ms,
-                             "load_order_logits_equal": all(torch.equal(a, b) for a, b in zip(late_logits, ref)),
-                             "start_step_ms": start_ms, "best_step_ms": best_ms,
+        end_ms, _ = bench.step(name)
+        out["modes"].append({"mode": name, "start_step_ms": start_ms, "best_step_ms": best_ms,
                              "final_table_step_ms": end_ms,
                              "table": {str(k): list(gemv_mod.TILES[k]) for k in keys}, "trials": trials})
-        log(f"{name}: weight load after the prologue {late_ms:.3f} ms; first {start_ms:.3f} -> tuned {end_ms:.3f} ms")
+        log(f"{name}: first {start_ms:.3f} -> tuned {end_ms:.3f} ms")
     out["final_table"] = {str(k): list(v) for k, v in gemv_mod.TILES.items()}
     return out
 
@@ -162,12 +228,20 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--in-step", action="store_true", help="tune inside the decode step (see the docstring)")
-    ap.add_argument("--pdl", default="off", help="--in-step: the PDL mode of the step")
+    ap.add_argument("--ab", default="", help="A/B GEMV option settings inside the decode step, ';'-separated")
+    ap.add_argument("--rounds", type=int, default=4, help="--ab: interleaved rounds")
+    ap.add_argument("--pdl", default="auto", help="--in-step / --ab: the PDL mode of the step")
+    ap.add_argument("--modes", default="fp8_gemv,bf16_mixed2", help=f"--in-step / --ab: of {sorted(STEP_MODES)}")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="sweep: the weight types")
+    ap.add_argument("--settings", default="", help="sweep: GEMV option settings, ';'-separated (default: as is)")
+    ap.add_argument("--set", default="", help="GEMV options in force for the sweep and --in-step")
     args = ap.parse_args()
-    result = {"bench": "gemv_tune_in_step" if args.in_step else "gemv_tune",
-              "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
-              "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
-              **(tune_in_step(args) if args.in_step else sweep(args))}
+    for setting in parse_settings(args.set):
+        OPTIONS.update(setting)
+    kind = "gemv_ab" if args.ab else "gemv_tune_in_step" if args.in_step else "gemv_tune"
+    run = ab_in_step if args.ab else tune_in_step if args.in_step else sweep
+    result = {"bench": kind, "command": shlex.join(["python", "bench/gemv_tune.py", *sys.argv[1:]]),
+              "device_name": torch.cuda.get_device_name(), "torch": torch.__version__, **run(args)}
     emit(result, Path(args.out) if args.out else None)
 
 
@@ -186,14 +260,24 @@ def sweep(args: argparse.Namespace) -> dict:
         res_out = torch.empty_like(res)
         copies = 2 if n > 100000 else 4
         bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for dtype in ("bf16", "fp8"):
-            mats = [(w, None) for w in bf] if dtype == "bf16" else [
-                (q.weight, q.scale) for q in map(quantize_weight, bf)]
+        base = dict(OPTIONS)
+        kinds = []  # (dtype, setting); for bf16 the settings that differ only in FP8 options once
+        for dtype in args.dtypes.split(","):
+            for setting in parse_settings(args.settings) or [{}]:
+                if dtype == "bf16":
+                    setting = {k: v for k, v in setting.items() if k != "fp8_unpack"}
+                if (dtype, setting) not in kinds:
+                    kinds.append((dtype, setting))
+        quantized = [(q.weight, q.scale) for q in map(quantize_weight, bf)] if "fp8" in args.dtypes else []
+        for dtype, setting in kinds:
+            OPTIONS.update(base | setting)
+            mats = [(w, None) for w in bf] if dtype == "bf16" else quantized
             w0, s0 = mats[0]
             deq = w0.float() * (s0[:, None] if s0 is not None else 1.0)
             ref = reference(x, deq, prologue, res, nw)[0]  # [N]
             tol = 0.02 * float(ref.abs().max()) + 1e-3
-            row: dict = {"matrix": name, "n": n, "k": k, "dtype": dtype, "bytes": w0.numel() * w0.element_size(),
+            row: dict = {"matrix": name, "n": n, "k": k, "dtype": dtype, "options": dict(OPTIONS),
+                         "bytes": w0.numel() * w0.element_size(),
                          "ref_abs_max": round(float(ref.abs().max()), 4), "tolerance": round(tol, 5), "shapes": []}
             kw = {"prologue": prologue, "residual": res if prologue == RMSNORM else None,
                   "norm_weight": nw if prologue == RMSNORM else None}
@@ -230,9 +314,10 @@ def sweep(args: argparse.Namespace) -> dict:
                 row["shapes"].append(entry)
             timed = [e for e in row["shapes"] if "us" in e]
             row["best"] = min(timed, key=lambda e: e["us"]) if timed else None
-            log(f"{name} {dtype}: table {row['table']} best {row['best']}")
+            log(f"{name} {dtype} {_label(setting)}: table {row['table']} best {row['best']}")
             result["matrices"].append(row)
-        del bf, mats
+        OPTIONS.update(base)
+        del bf, mats, quantized
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     return result
 

@@ -7,6 +7,16 @@ out[N] = prologue(x) @ W.T, W [N, K] bf16 or FP8 (then times a per-row scale). P
 - SILU_MUL: x = [gate, up] of length 2K; silu(gate) * up.
 Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
 rows with wide loads and reduces along K once at the end (no tensor cores: one row of x).
+
+FP8 weights are widened to float32 in one of two ways (`OPTIONS["fp8_unpack"]`):
+- "cvt" (default): Triton's conversion (`cvt.rn.f16x2.e4m3x2`, then `cvt.f32.f16` per element). The conversion unit
+  does 16 of these per clock per SM, so 1.5 conversions per weight byte cap the GEMV near 11 bytes per
+  clock per SM, about 2.9 TB/s on the H200: what it measured.
+- "bits": `_e4m3_bits_to_f32` moves each byte's sign, exponent and mantissa into a float32 bit
+  pattern with integer shifts and masks (about 3 integer instructions per byte, none on the conversion
+  unit). The pattern is the weight times 2^-120 (e4m3 subnormals become float32 subnormals, exactly);
+  the activation is scaled by 2^64 first so that products stay normal, and the scale by 2^56 at the end
+  restores the value. Both scalings are powers of two, hence exact while |x| < 2^64.
 Under PDL (runtime/kernels/__init__.py) a program may be scheduled while the previous kernel runs.
 """
 from __future__ import annotations
@@ -42,7 +52,43 @@ TILES = {
 }
 
 
-WEIGHT_FIRST = {"on": True}  # the kernel's load order; bench/gemv_tune.py times both, serving leaves it on
+# Launch-time options, read at each launch (so a CUDA graph keeps those in force at its capture);
+# bench/gemv_tune.py --ab times the decode step under each setting.
+# - "prefetch": load the next weight tile into registers before the current tile's math, so each program
+#   has two tiles in flight instead of one.
+# - "fp8_unpack": "cvt" or "bits" (see the module docstring).
+OPTIONS = {"prefetch": False, "fp8_unpack": "cvt"}
+
+
+@triton.jit
+def _e4m3_bits_to_f32(w):
+    """e4m3 weights (any shape, a multiple of 4 elements per thread) -> float32 equal to w * 2^-120.
+
+    Per 32-bit word of 4 bytes: move byte i to the top (shl 24-8i), shift right arithmetically by 4 (the
+    sign lands on bit 31 and is copied into bits 27-30; exponent and mantissa land on bits 20-26), mask
+    bits 27-30 and the lower bytes away. Exponent e and mantissa m thus become float32 exponent e and
+    mantissa m/8: (1 + m/8) * 2^(e-127) for e > 0 and (m/8) * 2^-126 for e = 0, both the e4m3 value
+    times 2^-120. Byte 0 of a word is the lowest-addressed element, as Triton packs them.
+    """
+    bits = tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 t;
+        shl.b32 t, $4, 24;
+        shr.s32 t, t, 4;
+        and.b32 $0, t, 0x87F00000;
+        shl.b32 t, $4, 16;
+        shr.s32 t, t, 4;
+        and.b32 $1, t, 0x87F00000;
+        shl.b32 t, $4, 8;
+        shr.s32 t, t, 4;
+        and.b32 $2, t, 0x87F00000;
+        shr.s32 t, $4, 4;
+        and.b32 $3, t, 0x87F00000;
+        }
+        """,
+        "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.uint32, is_pure=True, pack=4)
+    return bits.to(tl.float32, bitcast=True)
 
 
 def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
@@ -60,7 +106,7 @@ def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
 def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, N, K, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, FP8_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -82,12 +128,18 @@ def _gemv_kernel(
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
+    if PREFETCH:
+        w_next = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tile
-        # the weight load first: issued before the prologue's math, whose latency it then covers
-        # (bench/gemv_tune.py --in-step times the step both ways; WEIGHT_FIRST=False is only for that)
-        if WEIGHT_FIRST:
-            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None], other=0.0)
+        # the weight load first: issued before the prologue's math, whose latency it then covers (the
+        # other order measured 7% slower in the FP8 step: bench/results/gemv-fp8-unpack-h200/)
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nmask[:, None] & (k0 + BLOCK_K < K), other=0.0)
+        else:
+            w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
         if PROLOGUE == 0:
             xv = tl.load(x_ptr + k).to(tl.float32)
         elif PROLOGUE == 1:
@@ -101,13 +153,23 @@ def _gemv_kernel(
             u = tl.load(x_ptr + K + k).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
             xv = (a * u).to(act_ty).to(tl.float32)
-        if not WEIGHT_FIRST:
-            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None], other=0.0)
-        acc += w.to(tl.float32) * xv[None, :]
+        if FP8_BITS:
+            acc += _e4m3_bits_to_f32(w) * (xv * 18446744073709551616.0)[None, :]  # 2^64
+        else:
+            acc += w.to(tl.float32) * xv[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
-        out = out * tl.load(s_ptr + n, mask=nmask, other=0.0)
+        s = tl.load(s_ptr + n, mask=nmask, other=0.0)
+        if FP8_BITS:
+            s = s * 72057594037927936.0  # 2^56: 2^120 of the weight pattern less 2^64 of the activation
+        out = out * s
     tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def fp8_bits(weight: torch.Tensor) -> bool:
+    """Whether the kernel unpacks this weight with `_e4m3_bits_to_f32` (FP8 weights in "bits" mode)."""
+    assert OPTIONS["fp8_unpack"] in ("cvt", "bits"), OPTIONS
+    return weight.element_size() == 1 and OPTIONS["fp8_unpack"] == "bits"
 
 
 def gemv(
@@ -135,6 +197,6 @@ def gemv(
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
         PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        WEIGHT_FIRST=WEIGHT_FIRST["on"], num_warps=warps, num_stages=1, **pdl_args(),
+        PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(weight), num_warps=warps, num_stages=1, **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

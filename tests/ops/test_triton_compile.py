@@ -13,6 +13,7 @@ process that only targets sm_89 (as on a 4090) builds it.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,13 @@ from vocoder.kernels import aa_snake, chunk_attention, flow_fused
 HOPPER, ADA = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 89, 32)
 
 
-def _ptx(fn, signature: dict[str, str], constexprs: dict, target: GPUTarget) -> str:
+def _ptx(fn, signature: dict[str, str], constexprs: dict, target: GPUTarget, aligned: tuple[str, ...] = ()) -> str:
+    """PTX of `fn`; `aligned` names the arguments to declare divisible by 16, as Triton's launcher does at run
+    time for 16-byte aligned pointers and sizes (without it, loads are not vectorized)."""
     sig = dict(signature) | {name: "constexpr" for name in constexprs}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target).asm["ptx"]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=target).asm["ptx"]
 
 
 def _ptrs(names: str, ty: str = "*bf16") -> dict[str, str]:
@@ -49,10 +54,13 @@ SNAKE_SIG = _ptrs("x_ptr y_ptr alpha_ptr beta_ptr") | {"hu_ptr": "*fp32", "hd_pt
 
 # (name, kernel, signature, constexprs without USE_PDL): the shapes and flags the launch sites use
 CASES = [
-    *[(f"gemv[{w[1:]},prologue={p}]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": w},
+    *[(f"gemv[{w[1:]}{',bits' if bits else ''}{',prefetch' if pre else ''},prologue={p}]", gemv._gemv_kernel,
+       GEMV_SIG | {"w_ptr": w},
        {"PROLOGUE": p, "HAS_RES": p == gemv.RMSNORM, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
-        "WEIGHT_FIRST": True})
-      for w in ("*bf16", "*fp8e4nv") for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL)],
+        "PREFETCH": pre, "FP8_BITS": bits})
+      for w, bits, pre in (("*bf16", False, False), ("*bf16", False, True), ("*fp8e4nv", False, False),
+                           ("*fp8e4nv", False, True), ("*fp8e4nv", True, False))
+      for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL)],
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
     ("qk_norm_rope_store", elementwise._qk_norm_rope_store_kernel,
@@ -90,6 +98,48 @@ def test_kernel_compiles_for_hopper_with_and_without_pdl(fn, signature: dict, co
     assert "griddepcontrol.wait" in with_pdl and "griddepcontrol.launch_dependents" in with_pdl
     plain = _ptx(fn, signature, constexprs | {"USE_PDL": False}, HOPPER)
     assert ".entry" in plain and "griddepcontrol" not in plain
+
+
+def _opcodes(ptx: str) -> dict[str, int]:
+    """How often each PTX opcode occurs (predicated instructions included)."""
+    counts: dict[str, int] = {}
+    for op in re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", ptx, re.MULTILINE):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("prologue", [gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL])
+def test_fp8_gemv_bits_mode_unpacks_weights_without_the_conversion_unit(prologue: int) -> None:
+    """One tile of 8 x 512 FP8 weights over 128 threads is 32 bytes per thread: two 16-byte loads. "cvt"
+    widens them with 16 `cvt.rn.f16x2.e4m3x2` and 32 `cvt.f32.f16`; "bits" with integer shifts and masks
+    only (`_e4m3_bits_to_f32`: 3 per byte but 2 for the top one), then the same 32 FMAs."""
+    constexprs = {"PROLOGUE": prologue, "HAS_RES": prologue == gemv.RMSNORM, "HAS_SCALE": True, "BLOCK_N": 8,
+                  "BLOCK_K": 512, "PREFETCH": False, "USE_PDL": False}
+    aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
+    sig = GEMV_SIG | {"w_ptr": "*fp8e4nv"}
+    cvt = _opcodes(_ptx(gemv._gemv_kernel, sig, constexprs | {"FP8_BITS": False}, HOPPER, aligned))
+    bits = _opcodes(_ptx(gemv._gemv_kernel, sig, constexprs | {"FP8_BITS": True}, HOPPER, aligned))
+    assert cvt["ld.global.v4.b32"] == bits["ld.global.v4.b32"] == 2
+    assert (cvt.get("cvt.rn.f16x2.e4m3x2"), cvt.get("cvt.f32.f16")) == (16, 32)
+    assert "cvt.rn.f16x2.e4m3x2" not in bits and "cvt.f32.f16" not in bits
+    assert bits["shr.s32"] == 32 and bits["shl.b32"] >= 24
+    assert bits["fma.rn.f32"] == cvt["fma.rn.f32"] >= 32
+
+
+@pytest.mark.parametrize(("weight", "loads_per_tile"), [("*bf16", 4), ("*fp8e4nv", 2)])
+def test_gemv_prefetch_keeps_a_second_weight_tile_in_flight(weight: str, loads_per_tile: int) -> None:
+    """8 x 512 weights over 128 threads are 4 (bf16) or 2 (FP8) 16-byte loads per thread. With prefetch the
+    first tile is loaded before the loop and each iteration loads the next one before its math."""
+    constexprs = {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
+                  "BLOCK_K": 512, "FP8_BITS": False, "USE_PDL": False}
+    aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
+    sig = GEMV_SIG | {"w_ptr": weight}
+    plain = _ptx(gemv._gemv_kernel, sig, constexprs | {"PREFETCH": False}, HOPPER, aligned)
+    ahead = _ptx(gemv._gemv_kernel, sig, constexprs | {"PREFETCH": True}, HOPPER, aligned)
+    assert _opcodes(plain)["ld.global.v4.b32"] == loads_per_tile
+    assert _opcodes(ahead)["ld.global.v4.b32"] == 2 * loads_per_tile
+    before_loop = ahead.split("Inner Loop Header")[0]
+    assert _opcodes(before_loop)["ld.global.v4.b32"] == loads_per_tile
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
