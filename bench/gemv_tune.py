@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shlex
 import statistics
 import sys
@@ -50,13 +51,14 @@ MATRICES = {"qkv": (6144, 4096, RMSNORM), "o": (4096, 4096, NONE), "gate_up": (2
 CALLS = 16
 
 
-def shapes() -> list[tuple[int, int, int]]:
-    """(BLOCK_N, BLOCK_K, warps): tiles of 2k-32k elements, 8 warps from 16k elements up, and the same
-    tiles with the other warp count from 8k up."""
+def shapes(wide: bool = False) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_K, warps): tiles of 2k-32k elements (`wide`, for the "fold" kernel: 2k-64k, also
+    BLOCK_N 1-2 and BLOCK_K 4096), 8 warps from 16k elements up, and the same tiles with the other warp
+    count from 8k up."""
     out = set()
-    for bn in (4, 8, 16, 32):
-        for bk in (256, 512, 1024, 2048):
-            if 2048 <= bn * bk <= 32768:
+    for bn in (1, 2, 4, 8, 16, 32) if wide else (4, 8, 16, 32):
+        for bk in (256, 512, 1024, 2048, 4096) if wide else (256, 512, 1024, 2048):
+            if 2048 <= bn * bk <= (65536 if wide else 32768):
                 out.add((bn, bk, 8 if bn * bk >= 16384 else 4))
                 if bn * bk >= 8192:
                     out.add((bn, bk, 4 if bn * bk >= 16384 else 8))
@@ -78,8 +80,8 @@ def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps):
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
         PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
-        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(w), num_warps=warps,
-        num_stages=1)
+        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(w), EARLY=OPTIONS["early"],
+        FOLD=OPTIONS["fold"], num_warps=warps, num_stages=1)
 
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
@@ -182,44 +184,84 @@ def ab_in_step(args: argparse.Namespace) -> dict:
     return out
 
 
+def _from_sweep(path: str) -> dict[tuple[int, int, int], list[tuple[int, int, int]]]:
+    """Per table key, the tiles of a sweep (bench/gemv_tune.py JSON) run under the options now in force,
+    fastest first."""
+    out: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+    for row in json.loads(Path(path).read_text())["matrices"]:
+        if row["options"] != OPTIONS and {**row["options"], "fp8_unpack": OPTIONS["fp8_unpack"]} != OPTIONS:
+            continue
+        timed = sorted((e for e in row["shapes"] if "us" in e), key=lambda e: e["us"])
+        key = (1 if row["dtype"] == "fp8" else 2, row["n"], row["k"])
+        out[key] = [(e["block_n"], e["block_k"], e["warps"]) for e in timed]
+    return out
+
+
 def tune_in_step(args: argparse.Namespace) -> dict:
-    """Coordinate descent on runtime.kernels.gemv.TILES, timing the captured one-stream decode step."""
+    """Coordinate descent on the tile table in force (runtime.kernels.gemv.tiles()), timing the captured
+    one-stream decode step. With `--from-sweep`, each matrix starts from the sweep's fastest tile and tries
+    the sweep's next fastest; else CANDIDATES. With `--baseline`, the tuned step is then timed against the
+    step under those options (and their own table) in `--rounds` interleaved rounds."""
     from runtime.kernels import gemv as gemv_mod
 
     t_start = time.perf_counter()
     bench = StepBench(args.pdl)
+    table = gemv_mod.tiles()
+    seeds = _from_sweep(args.from_sweep) if args.from_sweep else {}
+    for key, ranked in seeds.items():
+        if ranked:
+            table[key] = ranked[0]
     layer_keys = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
     head_keys = [(bench.config.vocab_size, 4096), (bench.config.audio_vocab_size, 4096)]
     plan = {"fp8_gemv": [(1, *k) for k in layer_keys + head_keys], "bf16_gemv": [(2, *k) for k in layer_keys + head_keys],
             "bf16_mixed": [(2, 4096, 4096), (2, 4096, 12288)],
             "bf16_mixed2": [(2, 6144, 4096), (2, 4096, 4096), (2, 4096, 12288)]}
     out: dict = {"context_len": bench.context_len, "pdl": args.pdl, "options": dict(OPTIONS),
-                 "start_table": {str(k): v for k, v in gemv_mod.TILES.items()}, "modes": []}
+                 "start_table": {str(k): v for k, v in table.items()}, "modes": []}
     for name in args.modes.split(","):
         keys = plan[name]
+        for key in keys:
+            table.setdefault(key, gemv_tile(*key))
         start_ms, ref = bench.step(name)
         best_ms = start_ms
         trials = []
         for key in keys:
-            for tile in CANDIDATES:
-                if tile == gemv_mod.TILES[key] or time.perf_counter() - t_start > args.budget_s:
+            for tile in (seeds.get(key) or CANDIDATES)[: args.candidates]:
+                if tile == table[key] or time.perf_counter() - t_start > args.budget_s:
                     continue
-                before = gemv_mod.TILES[key]
-                gemv_mod.TILES[key] = tile
+                before = table[key]
+                table[key] = tile
                 ms, logits = bench.step(name)
                 drift = _drift(logits, ref)
                 trials.append({"key": list(key), "tile": list(tile), "step_ms": ms, **drift})
                 if drift["finite"] and drift["max_abs_logit_diff"] < 1.0 and ms < best_ms:
                     best_ms = ms
                 else:
-                    gemv_mod.TILES[key] = before
-            log(f"{name} {key}: {gemv_mod.TILES[key]} -> step {best_ms:.3f} ms")
-        end_ms, _ = bench.step(name)
-        out["modes"].append({"mode": name, "start_step_ms": start_ms, "best_step_ms": best_ms,
-                             "final_table_step_ms": end_ms,
-                             "table": {str(k): list(gemv_mod.TILES[k]) for k in keys}, "trials": trials})
+                    table[key] = before
+            log(f"{name} {key}: {table[key]} -> step {best_ms:.3f} ms")
+        end_ms, end_logits = bench.step(name)
+        entry = {"mode": name, "start_step_ms": start_ms, "best_step_ms": best_ms, "final_table_step_ms": end_ms,
+                 "table": {str(k): list(table[k]) for k in keys}, "trials": trials}
+        if args.baseline:
+            tuned = dict(OPTIONS)
+            base = tuned | parse_settings(args.baseline)[0]
+            rounds: dict[str, list[float]] = {"tuned": [], "baseline": []}
+            for r in range(args.rounds):
+                for label, options in ((("tuned", tuned), ("baseline", base)) if r % 2 == 0
+                                       else (("baseline", base), ("tuned", tuned))):
+                    OPTIONS.update(options)
+                    ms, logits = bench.step(name)
+                    rounds[label].append(ms)
+                    if label == "baseline" and r == 0:
+                        entry["baseline_vs_tuned"] = _drift(logits, end_logits)
+            OPTIONS.update(tuned)
+            entry.update(baseline=_label(base), baseline_median_ms=round(statistics.median(rounds["baseline"]), 4),
+                         tuned_median_ms=round(statistics.median(rounds["tuned"]), 4), rounds_ms=rounds)
+            log(f"{name}: tuned {entry['tuned_median_ms']:.3f} ms vs baseline {_label(base)} "
+                f"{entry['baseline_median_ms']:.3f} ms; {entry['baseline_vs_tuned']}")
+        out["modes"].append(entry)
         log(f"{name}: first {start_ms:.3f} -> tuned {end_ms:.3f} ms")
-    out["final_table"] = {str(k): list(v) for k, v in gemv_mod.TILES.items()}
+    out["final_table"] = {str(k): list(v) for k, v in table.items()}
     return out
 
 
@@ -229,12 +271,15 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--in-step", action="store_true", help="tune inside the decode step (see the docstring)")
     ap.add_argument("--ab", default="", help="A/B GEMV option settings inside the decode step, ';'-separated")
-    ap.add_argument("--rounds", type=int, default=4, help="--ab: interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="--ab / --baseline: interleaved rounds")
     ap.add_argument("--pdl", default="auto", help="--in-step / --ab: the PDL mode of the step")
     ap.add_argument("--modes", default="fp8_gemv,bf16_mixed2", help=f"--in-step / --ab: of {sorted(STEP_MODES)}")
     ap.add_argument("--dtypes", default="bf16,fp8", help="sweep: the weight types")
     ap.add_argument("--settings", default="", help="sweep: GEMV option settings, ';'-separated (default: as is)")
     ap.add_argument("--set", default="", help="GEMV options in force for the sweep and --in-step")
+    ap.add_argument("--from-sweep", default="", help="--in-step: seed tiles and candidates from this sweep JSON")
+    ap.add_argument("--candidates", type=int, default=8, help="--in-step: tiles tried per matrix")
+    ap.add_argument("--baseline", default="", help="--in-step: options to time the tuned step against")
     args = ap.parse_args()
     for setting in parse_settings(args.set):
         OPTIONS.update(setting)
@@ -291,7 +336,9 @@ def sweep(args: argparse.Namespace) -> dict:
             if dtype == "bf16" and prologue == NONE:
                 us = graph_us_per_call([functools.partial(F.linear, x, bf[i % copies]) for i in range(CALLS)])
                 row["cublas_no_prologue"] = {"us": round(us, 2), "gbps": round(row["bytes"] / us / 1e3, 1)}
-            for bn, bk, warps in shapes():
+            for bn, bk, warps in shapes(wide=OPTIONS["fold"]):
+                if k % bk:
+                    continue
                 if time.perf_counter() - t_start > args.budget_s:
                     row["shapes"].append({"skipped": "time budget"})
                     break

@@ -57,7 +57,11 @@ TILES = {
 # - "prefetch": load the next weight tile into registers before the current tile's math, so each program
 #   has two tiles in flight instead of one.
 # - "fp8_unpack": "cvt" or "bits" (see the module docstring).
-OPTIONS = {"prefetch": False, "fp8_unpack": "cvt"}
+# - "early": load the first weight tile before waiting on the previous kernel (programmatic dependent
+#   launch), so that load overlaps the previous kernel's last wave.
+# - "fold": sum each tile's products over K at once (an accumulator of BLOCK_N, not BLOCK_N x BLOCK_K
+#   float32 values: fewer registers, so wider tiles fit), at the cost of a cross-thread sum per tile.
+OPTIONS = {"prefetch": False, "fp8_unpack": "cvt", "early": False, "fold": False}
 
 
 @triton.jit
@@ -91,10 +95,21 @@ def _e4m3_bits_to_f32(w):
     return bits.to(tl.float32, bitcast=True)
 
 
+# Tiles of the "fold" kernel (OPTIONS): its accumulator is BLOCK_N wide, so tiles up to 64k elements fit.
+TILES_FOLD: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+
+
+def tiles() -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """The tile table of the kernel the options in force select."""
+    return TILES_FOLD if OPTIONS["fold"] else TILES
+
+
 def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) for an [n, k] weight: the table's, else by the nearest kind of matrix."""
-    if (elem_bytes, n, k) in TILES:
-        return TILES[(elem_bytes, n, k)]
+    if (elem_bytes, n, k) in tiles():
+        return tiles()[(elem_bytes, n, k)]
+    if OPTIONS["fold"]:
+        return (4, 2048, 4)
     if n >= 65536:  # a head
         return (16, 512, 4) if elem_bytes == 2 else (16, 256, 4)
     if k > n:  # a down projection
@@ -107,11 +122,15 @@ def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, N, K, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, FP8_BITS: tl.constexpr,
+    EARLY: tl.constexpr, FOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = n < N
     tile = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
+    if EARLY:  # weights are never written by the kernels before this one: no need to wait for them
+        w_first = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
     pdl_enter(USE_PDL)
     act_ty = x_ptr.dtype.element_ty
     rstd = 0.0
@@ -127,8 +146,10 @@ def _gemv_kernel(
             xf = xv.to(tl.float32)
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
+    if FOLD:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
     for k0 in range(0, K, BLOCK_K):
@@ -138,6 +159,11 @@ def _gemv_kernel(
         if PREFETCH:
             w = w_next
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nmask[:, None] & (k0 + BLOCK_K < K), other=0.0)
+        elif EARLY:
+            if k0 == 0:
+                w = w_first
+            else:
+                w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
         if PROLOGUE == 0:
@@ -154,10 +180,17 @@ def _gemv_kernel(
             a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
             xv = (a * u).to(act_ty).to(tl.float32)
         if FP8_BITS:
-            acc += _e4m3_bits_to_f32(w) * (xv * 18446744073709551616.0)[None, :]  # 2^64
+            prod = _e4m3_bits_to_f32(w) * (xv * 18446744073709551616.0)[None, :]  # 2^64
         else:
-            acc += w.to(tl.float32) * xv[None, :]
-    out = tl.sum(acc, axis=1)
+            prod = w.to(tl.float32) * xv[None, :]
+        if FOLD:
+            acc += tl.sum(prod, axis=1)
+        else:
+            acc += prod
+    if FOLD:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         s = tl.load(s_ptr + n, mask=nmask, other=0.0)
         if FP8_BITS:
@@ -197,6 +230,7 @@ def gemv(
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
         PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(weight), num_warps=warps, num_stages=1, **pdl_args(),
+        PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(weight), EARLY=OPTIONS["early"], FOLD=OPTIONS["fold"],
+        num_warps=warps, num_stages=1, **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

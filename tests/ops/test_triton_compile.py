@@ -54,12 +54,14 @@ SNAKE_SIG = _ptrs("x_ptr y_ptr alpha_ptr beta_ptr") | {"hu_ptr": "*fp32", "hd_pt
 
 # (name, kernel, signature, constexprs without USE_PDL): the shapes and flags the launch sites use
 CASES = [
-    *[(f"gemv[{w[1:]}{',bits' if bits else ''}{',prefetch' if pre else ''},prologue={p}]", gemv._gemv_kernel,
+    *[(f"gemv[{w[1:]}{',bits' if bits else ''}{',prefetch' if pre else ''}{',early' if early else ''},prologue={p}]", gemv._gemv_kernel,
        GEMV_SIG | {"w_ptr": w},
        {"PROLOGUE": p, "HAS_RES": p == gemv.RMSNORM, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
-        "PREFETCH": pre, "FP8_BITS": bits})
-      for w, bits, pre in (("*bf16", False, False), ("*bf16", False, True), ("*fp8e4nv", False, False),
-                           ("*fp8e4nv", False, True), ("*fp8e4nv", True, False))
+        "PREFETCH": pre, "FP8_BITS": bits, "EARLY": early, "FOLD": early})
+      for w, bits, pre, early in (("*bf16", False, False, False), ("*bf16", False, True, False),
+                                  ("*bf16", False, False, True), ("*fp8e4nv", False, False, False),
+                                  ("*fp8e4nv", False, True, False), ("*fp8e4nv", True, False, False),
+                                  ("*fp8e4nv", False, False, True))
       for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL)],
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
@@ -114,7 +116,7 @@ def test_fp8_gemv_bits_mode_unpacks_weights_without_the_conversion_unit(prologue
     widens them with 16 `cvt.rn.f16x2.e4m3x2` and 32 `cvt.f32.f16`; "bits" with integer shifts and masks
     only (`_e4m3_bits_to_f32`: 3 per byte but 2 for the top one), then the same 32 FMAs."""
     constexprs = {"PROLOGUE": prologue, "HAS_RES": prologue == gemv.RMSNORM, "HAS_SCALE": True, "BLOCK_N": 8,
-                  "BLOCK_K": 512, "PREFETCH": False, "USE_PDL": False}
+                  "BLOCK_K": 512, "PREFETCH": False, "EARLY": False, "FOLD": False, "USE_PDL": False}
     aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
     sig = GEMV_SIG | {"w_ptr": "*fp8e4nv"}
     cvt = _opcodes(_ptx(gemv._gemv_kernel, sig, constexprs | {"FP8_BITS": False}, HOPPER, aligned))
@@ -131,7 +133,7 @@ def test_gemv_prefetch_keeps_a_second_weight_tile_in_flight(weight: str, loads_p
     """8 x 512 weights over 128 threads are 4 (bf16) or 2 (FP8) 16-byte loads per thread. With prefetch the
     first tile is loaded before the loop and each iteration loads the next one before its math."""
     constexprs = {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
-                  "BLOCK_K": 512, "FP8_BITS": False, "USE_PDL": False}
+                  "BLOCK_K": 512, "FP8_BITS": False, "EARLY": False, "FOLD": False, "USE_PDL": False}
     aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
     sig = GEMV_SIG | {"w_ptr": weight}
     plain = _ptx(gemv._gemv_kernel, sig, constexprs | {"PREFETCH": False}, HOPPER, aligned)
@@ -140,6 +142,19 @@ def test_gemv_prefetch_keeps_a_second_weight_tile_in_flight(weight: str, loads_p
     assert _opcodes(ahead)["ld.global.v4.b32"] == 2 * loads_per_tile
     before_loop = ahead.split("Inner Loop Header")[0]
     assert _opcodes(before_loop)["ld.global.v4.b32"] == loads_per_tile
+
+
+@pytest.mark.parametrize("weight", ["*bf16", "*fp8e4nv"])
+def test_gemv_early_option_loads_the_first_weight_tile_before_waiting_on_the_previous_kernel(weight: str) -> None:
+    constexprs = {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
+                  "BLOCK_K": 512, "FP8_BITS": False, "PREFETCH": False, "FOLD": False, "USE_PDL": True}
+    aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
+    sig = GEMV_SIG | {"w_ptr": weight}
+    for early, loads_before_wait in ((False, 0), (True, 4 if weight == "*bf16" else 2)):
+        ptx = _ptx(gemv._gemv_kernel, sig, constexprs | {"EARLY": early}, HOPPER, aligned)
+        before_wait, _, after_wait = ptx.partition("griddepcontrol.wait")
+        assert _opcodes(before_wait).get("ld.global.v4.b32", 0) == loads_before_wait
+        assert "ld.global" in after_wait
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
