@@ -5,7 +5,8 @@
         --variant "bf16/1/one_row=mixed2,pdl=wait,parallel_tails=1" --out bench/results/decode-ab.json
 
 A variant is `weights/batch/options`: weights "bf16" or "fp8" (every matrix, as `with_fp8(..., "all")`),
-the decode batch, and `FastForward` keyword options (ints and "1"/"0" booleans converted). Each variant gets
+the decode batch, and `FastForward` keyword options (ints and "1"/"0" booleans converted), or `gemv_fold`
+(runtime/kernels/gemv.py OPTIONS["fold"] while that variant's graph is captured). Each variant gets
 its own graph over the same KV cache (512-token contexts) and inputs. Before timing, its logits are compared
 with the first variant of the same weights and batch (launch options must leave them bit-identical;
 another one-row mode rounds differently: max abs difference and top-1 agreement are reported). Timings:
@@ -41,11 +42,13 @@ from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward
 from runtime.fast_ops import TritonOps
 from runtime.fused import fuse_model_weights, with_fp8
+from runtime.kernels import gemv as gemv_mod
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model import build_model
 
 INT_OPTIONS = ("pdl_max_rows",)
-BOOL_OPTIONS = ("parallel_tails",)
+BOOL_OPTIONS = ("parallel_tails", "gemv_fold")
+GEMV_OPTIONS = ("gemv_fold",)  # runtime.kernels.gemv.OPTIONS["fold"], in force while the variant is captured
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -100,9 +103,16 @@ def main(argv: list[str]) -> dict:
 
     runners, logits, rows = [], [], []
     for text, (w, b, options) in zip(args.variant, specs, strict=True):
-        runner = DecodeGraphRunner(FastForward(weights[w], ops, **options), cache, max_model_len=ctx + 64,
-                                   buckets=[b])
-        runner.capture()
+        gemv_options = {k.removeprefix("gemv_"): v for k, v in options.items() if k in GEMV_OPTIONS}
+        before = dict(gemv_mod.OPTIONS)
+        gemv_mod.OPTIONS.update(gemv_options)
+        try:
+            runner = DecodeGraphRunner(
+                FastForward(weights[w], ops, **{k: v for k, v in options.items() if k not in GEMV_OPTIONS}), cache,
+                max_model_len=ctx + 64, buckets=[b])
+            runner.capture()
+        finally:
+            gemv_mod.OPTIONS.update(before)
         out = tuple(t.clone() for t in runner.run(*inputs[b]))
         assert all(o.shape[0] == b and bool(torch.isfinite(o).all()) for o in out), text
         base = next(i for i, s in enumerate(specs) if s[:2] == (w, b))

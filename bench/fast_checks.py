@@ -193,17 +193,16 @@ def _check_gemv(device: torch.device, hidden: int = 4096, inter: int = 12288, **
     w8 = quantize_weight(w)
     d = _diff(gemv(x, w8.weight, scale=w8.scale, prologue=NONE)[0], x.float() @ w8.dequantize(torch.float32).T)
     out.append({"kernel": "gemv(fp8)", **d, "ok": d["rel_l2"] < 1e-2})
-    out.extend(_check_fp8_codes(x.device, mode) for mode in ("cvt", "bits"))
+    out.append(_check_fp8_codes(x.device))
     return out
 
 
-def _check_fp8_codes(device: torch.device, mode: str, n: int = 256, k: int = 1024) -> dict:
-    """Exact FP8 unpacking in the one-row GEMV, in unpack `mode` (runtime/kernels/gemv.py OPTIONS):
-    weight [n, k] holds every finite e4m3 code (row r, column c: code (r + 7c) mod 256, the two NaN codes
-    replaced by 0), scales are 1, and x is one-hot at a column, so each output is one decoded weight,
-    exactly representable in bf16. Columns 0-3 cover the four byte positions of a 32-bit word, the last
-    three the end of the row."""
-    from runtime.kernels import gemv as gemv_mod
+def _check_fp8_codes(device: torch.device, n: int = 256, k: int = 1024) -> dict:
+    """Exact FP8 decoding in the one-row GEMV: weight [n, k] holds every finite e4m3 code (row r, column c:
+    code (r + 7c) mod 256, the two NaN codes replaced by 0), scales are 1, and x is one-hot at a column, so
+    each output is one decoded weight, exactly representable in bf16. Columns 0-3 cover the four bytes of
+    a 32-bit word, the last three the end of the row."""
+    from runtime.kernels.gemv import gemv
 
     rows = torch.arange(n, device=device)[:, None]
     cols = torch.arange(k, device=device)[None, :]
@@ -213,17 +212,12 @@ def _check_fp8_codes(device: torch.device, mode: str, n: int = 256, k: int = 102
     want = w8.float()
     scale = torch.ones(n, device=device, dtype=torch.float32)
     mismatches = 0
-    before = gemv_mod.OPTIONS["fp8_unpack"]
-    gemv_mod.OPTIONS["fp8_unpack"] = mode
-    try:
-        for col in (0, 1, 2, 3, 5, k - 3, k - 2, k - 1):
-            x = torch.zeros(1, k, device=device, dtype=torch.bfloat16)
-            x[0, col] = 1
-            got = gemv_mod.gemv(x, w8, scale=scale)[0][0].float()
-            mismatches += int((got != want[:, col]).sum())
-    finally:
-        gemv_mod.OPTIONS["fp8_unpack"] = before
-    return {"kernel": f"gemv(fp8 codes, {mode})", "mismatches": mismatches, "ok": mismatches == 0}
+    for col in (0, 1, 2, 3, 5, k - 3, k - 2, k - 1):
+        x = torch.zeros(1, k, device=device, dtype=torch.bfloat16)
+        x[0, col] = 1
+        got = gemv(x, w8, scale=scale)[0][0].float()
+        mismatches += int((got != want[:, col]).sum())
+    return {"kernel": "gemv(fp8 codes)", "mismatches": mismatches, "ok": mismatches == 0}
 
 
 if __name__ == "__main__":  # python -m bench.fast_checks: every check on the GPU, one JSON line

@@ -2,14 +2,15 @@
 
     python bench/gemv_tune.py --out bench/results/gemv-tune-h200.json
     python bench/gemv_tune.py --in-step --out bench/results/gemv-tune-step-h200.json
-    python bench/gemv_tune.py --dtypes fp8 --settings "fp8_unpack=cvt;fp8_unpack=bits" --out ...
-    python bench/gemv_tune.py --ab "prefetch=0;prefetch=1" --modes fp8_gemv,bf16_mixed2 --out ...
+    python bench/gemv_tune.py --settings "fold=0;fold=1" --out sweep.json
+    python bench/gemv_tune.py --in-step --set fold=1 --from-sweep sweep.json --seed-table --baseline fold=0 --out ...
+    python bench/gemv_tune.py --ab "fold=0;fold=1" --modes fp8_gemv,bf16_mixed2 --out ...
 
 Each matrix runs with the prologue the decode step gives it (QKV, gate/up and the heads: residual add +
 RMSNorm; o: none; down: SiLU-mul). For every launch shape (BLOCK_N x BLOCK_K, warps) the output is first
 checked against a float32 reference, then timed per call inside a CUDA graph of 16 calls over 4 weight
 copies (2 for the text head), so L2 holds none of them. In the same run: `gemv()` as the serving path
-calls it (the tile of its table, runtime/kernels/gemv.py TILES), cuBLAS on the same bf16 matrix without
+calls it (the tile of its table, runtime/kernels/gemv.py TILES or TILES_FOLD), cuBLAS on the same bf16 matrix without
 a prologue (the plain product), and the device copy rate (the memory roofline). Pipeline stages are not
 swept: an earlier sweep of 1, 2 and 3 found them within 1% of each other everywhere. The kernel's launch
 options (runtime/kernels/gemv.py OPTIONS) are as `--set` gives them, or each of `--settings` in turn.
@@ -43,7 +44,7 @@ import triton
 from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import quantize_weight
-from runtime.kernels.gemv import NONE, OPTIONS, RMSNORM, SILU_MUL, _gemv_kernel, fp8_bits, gemv, gemv_tile
+from runtime.kernels.gemv import NONE, OPTIONS, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
 
 MATRICES = {"qkv": (6144, 4096, RMSNORM), "o": (4096, 4096, NONE), "gate_up": (24576, 4096, RMSNORM),
             "down": (4096, 12288, SILU_MUL), "text_head": (151680, 4096, RMSNORM),
@@ -80,8 +81,7 @@ def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps):
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
         PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
-        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(w), EARLY=OPTIONS["early"],
-        FOLD=OPTIONS["fold"], num_warps=warps, num_stages=1)
+        BLOCK_N=bn, BLOCK_K=bk, FOLD=OPTIONS["fold"], num_warps=warps, num_stages=1)
 
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
@@ -91,7 +91,7 @@ STEP_MODES = {"fp8_gemv": ("fp8", "gemv"), "bf16_gemv": ("bf16", "gemv"), "bf16_
 
 
 def parse_settings(text: str) -> list[dict]:
-    """"prefetch=0,fp8_unpack=cvt;prefetch=1" -> one dict of runtime.kernels.gemv.OPTIONS values each."""
+    """"fold=0;fold=1" -> one dict of runtime.kernels.gemv.OPTIONS values each."""
     out = []
     for item in filter(None, text.split(";")):
         setting = {}
@@ -189,7 +189,7 @@ def _from_sweep(path: str) -> dict[tuple[int, int, int], list[tuple[int, int, in
     fastest first."""
     out: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
     for row in json.loads(Path(path).read_text())["matrices"]:
-        if row["options"] != OPTIONS and {**row["options"], "fp8_unpack": OPTIONS["fp8_unpack"]} != OPTIONS:
+        if row["options"].get("fold") != OPTIONS["fold"]:
             continue
         timed = sorted((e for e in row["shapes"] if "us" in e), key=lambda e: e["us"])
         key = (1 if row["dtype"] == "fp8" else 2, row["n"], row["k"])
@@ -199,8 +199,8 @@ def _from_sweep(path: str) -> dict[tuple[int, int, int], list[tuple[int, int, in
 
 def tune_in_step(args: argparse.Namespace) -> dict:
     """Coordinate descent on the tile table in force (runtime.kernels.gemv.tiles()), timing the captured
-    one-stream decode step. With `--from-sweep`, each matrix starts from the sweep's fastest tile and tries
-    the sweep's next fastest; else CANDIDATES. With `--baseline`, the tuned step is then timed against the
+    one-stream decode step. With `--from-sweep`, each matrix tries the sweep's fastest tiles (else
+    CANDIDATES), starting from the table in force or, with `--seed-table`, from the sweep's fastest. With `--baseline`, the tuned step is then timed against the
     step under those options (and their own table) in `--rounds` interleaved rounds."""
     from runtime.kernels import gemv as gemv_mod
 
@@ -208,9 +208,10 @@ def tune_in_step(args: argparse.Namespace) -> dict:
     bench = StepBench(args.pdl)
     table = gemv_mod.tiles()
     seeds = _from_sweep(args.from_sweep) if args.from_sweep else {}
-    for key, ranked in seeds.items():
-        if ranked:
-            table[key] = ranked[0]
+    if args.seed_table:
+        for key, ranked in seeds.items():
+            if ranked:
+                table[key] = ranked[0]
     layer_keys = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
     head_keys = [(bench.config.vocab_size, 4096), (bench.config.audio_vocab_size, 4096)]
     plan = {"fp8_gemv": [(1, *k) for k in layer_keys + head_keys], "bf16_gemv": [(2, *k) for k in layer_keys + head_keys],
@@ -277,7 +278,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp8", help="sweep: the weight types")
     ap.add_argument("--settings", default="", help="sweep: GEMV option settings, ';'-separated (default: as is)")
     ap.add_argument("--set", default="", help="GEMV options in force for the sweep and --in-step")
-    ap.add_argument("--from-sweep", default="", help="--in-step: seed tiles and candidates from this sweep JSON")
+    ap.add_argument("--from-sweep", default="", help="--in-step: candidate tiles from this sweep JSON")
+    ap.add_argument("--seed-table", action="store_true", help="--in-step: start from the sweep's fastest tiles")
     ap.add_argument("--candidates", type=int, default=8, help="--in-step: tiles tried per matrix")
     ap.add_argument("--baseline", default="", help="--in-step: options to time the tuned step against")
     args = ap.parse_args()
@@ -306,13 +308,8 @@ def sweep(args: argparse.Namespace) -> dict:
         copies = 2 if n > 100000 else 4
         bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         base = dict(OPTIONS)
-        kinds = []  # (dtype, setting); for bf16 the settings that differ only in FP8 options once
-        for dtype in args.dtypes.split(","):
-            for setting in parse_settings(args.settings) or [{}]:
-                if dtype == "bf16":
-                    setting = {k: v for k, v in setting.items() if k != "fp8_unpack"}
-                if (dtype, setting) not in kinds:
-                    kinds.append((dtype, setting))
+        kinds = [(dtype, setting) for dtype in args.dtypes.split(",")
+                 for setting in parse_settings(args.settings) or [{}]]
         quantized = [(q.weight, q.scale) for q in map(quantize_weight, bf)] if "fp8" in args.dtypes else []
         for dtype, setting in kinds:
             OPTIONS.update(base | setting)

@@ -76,10 +76,10 @@ class FastForward:
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
         fused in front for all four layer matrices and the heads (runtime/kernels/gemv.py); "mixed" =
         cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused); "mixed2" = cuBLAS for
-        gate/up only (QKV through the GEMV with the RMSNorm fused in front). Default: "gemv" for FP8
-        weights, "mixed2" for bf16: the fastest for each on the H200 with the default launch options
-        (bf16 `mixed2` 4.665 vs `mixed` 4.733 ms in two interleaved A/B runs, bench/results/decode-ab-h200/;
-        docs/gpu.md).
+        gate/up only (QKV through the GEMV with the RMSNorm fused in front). Default: "gemv", the fastest
+        for FP8 and, since the GEMV folds its accumulator (runtime/kernels/gemv.py), for bf16 as well:
+        4.568 vs `mixed2` 4.668 ms in one interleaved A/B run, 4.588 vs 4.662 ms in the engine run of the
+        same lease (bench/results/gemv-fold-h200/; docs/gpu.md).
         `pdl`: how the Triton kernels of steps of at most `pdl_max_rows` rows are launched (one of
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
@@ -98,12 +98,11 @@ class FastForward:
         self.ops = ops if ops is not None else default_ops(device)
         self.fp8_small_batch = fp8_small_batch
         if one_row is None:
-            is_fp8 = isinstance(weights.text_head, Fp8Weight) or isinstance(weights.shared[0].down, Fp8Weight)
-            one_row = "gemv" if is_fp8 else "mixed2"
+            one_row = "gemv"
         if one_row not in ONE_ROW_MODES:
             raise ValueError(f"one_row must be one of {ONE_ROW_MODES}, got {one_row!r}")
-        # the GEMV kernel streams K in tiles of up to 2048 (true of the real shape, not of `tiny`)
-        gemv_fits = all(k % 2048 == 0 for k in (cfg.hidden_size, cfg.intermediate_size,
+        # the GEMV kernel streams K in tiles of up to 4096 (true of the real shape, not of `tiny`)
+        gemv_fits = all(k % 4096 == 0 for k in (cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_attention_heads * cfg.head_dim))
         self.one_row = one_row if isinstance(self.ops, TritonOps) and gemv_fits else "cublas"
         self.pdl = resolve_pdl(pdl, device, isinstance(self.ops, TritonOps))

@@ -6,18 +6,20 @@ out[N] = prologue(x) @ W.T, W [N, K] bf16 or FP8 (then times a per-row scale). P
   the residual add and the RMSNorm cost no launch of their own.
 - SILU_MUL: x = [gate, up] of length 2K; silu(gate) * up.
 Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
-rows with wide loads and reduces along K once at the end (no tensor cores: one row of x).
+rows with wide loads (no tensor cores: one row of x).
 
-FP8 weights are widened to float32 in one of two ways (`OPTIONS["fp8_unpack"]`):
-- "cvt" (default): Triton's conversion (`cvt.rn.f16x2.e4m3x2`, then `cvt.f32.f16` per element). The conversion unit
-  does 16 of these per clock per SM, so 1.5 conversions per weight byte cap the GEMV near 11 bytes per
-  clock per SM, about 2.9 TB/s on the H200: what it measured.
-- "bits": `_e4m3_bits_to_f32` moves each byte's sign, exponent and mantissa into a float32 bit
-  pattern with integer shifts and masks (about 3 integer instructions per byte, none on the conversion
-  unit). The pattern is the weight times 2^-120 (e4m3 subnormals become float32 subnormals, exactly);
-  the activation is scaled by 2^64 first so that products stay normal, and the scale by 2^56 at the end
-  restores the value. Both scalings are powers of two, hence exact while |x| < 2^64.
-Under PDL (runtime/kernels/__init__.py) a program may be scheduled while the previous kernel runs.
+FP8 weights are widened to float32 by Triton's conversion (`cvt.rn.f16x2.e4m3x2`, then `cvt.f32.f16`).
+Tried and measured slower on the H200 (commits ec0eeb8, 2274365; bench/results/gemv-fp8-unpack-h200/,
+gemv-prefetch-h200/): unpacking FP8 by integer bit moves instead of the conversion unit (exact, 15% slower
+step), loading the next weight tile ahead into registers, and loading the first tile before the PDL wait
+(both raise the register count and cut the number of programs per SM).
+
+The accumulator: "fold" (the default, `OPTIONS`) sums each tile's products over K at once into BLOCK_N
+float32 values; the earlier kernel kept a BLOCK_N x BLOCK_K float32 accumulator and summed once at the end.
+Folding halves the registers (ptxas: 124 -> 56 for an 8 x 512 FP8 tile), so more programs fit per SM and
+wider tiles fit at all, for one cross-thread sum per tile. Same run, one-stream step: FP8 2.84 vs 3.02 ms,
+bf16 `mixed2` 4.68 vs 4.72 ms (bench/results/gemv-fold-h200/). The two sum in a different order, so their
+outputs differ by float32 rounding.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from runtime.kernels.launch import pdl_args, pdl_enter
 NONE, RMSNORM, SILU_MUL = 0, 1, 2
 
 
-# Tiles (BLOCK_N, BLOCK_K, warps) per (weight bytes per element, N, K) of the full model's matrices: chosen
+# Tiles of the unfolded kernel (`fold` off): (BLOCK_N, BLOCK_K, warps) per (weight bytes per element, N, K)
+# of the full model's matrices: chosen
 # from H200 sweeps of each matrix alone with cold L2 (bench/gemv_tune.py), then by coordinate descent inside
 # the captured one-stream decode step (bench/gemv_tune.py --in-step; bench/results/gemv-tune-*-h200.json).
 # A fixed table instead of Triton's autotuner: the autotuner times each shape on one L2-warm matrix in
@@ -52,17 +55,9 @@ TILES = {
 }
 
 
-# Launch-time options, read at each launch (so a CUDA graph keeps those in force at its capture);
-# bench/gemv_tune.py --ab times the decode step under each setting.
-# - "prefetch": load the next weight tile into registers before the current tile's math, so each program
-#   has two tiles in flight instead of one.
-# - "fp8_unpack": "cvt" or "bits" (see the module docstring).
-# - "early": load the first weight tile before waiting on the previous kernel (programmatic dependent
-#   launch), so that load overlaps the previous kernel's last wave.
-# - "fold": sum each tile's products over K at once (an accumulator of BLOCK_N, not BLOCK_N x BLOCK_K
-#   float32 values: fewer registers, so wider tiles fit), at the cost of a cross-thread sum per tile.
-OPTIONS = {"prefetch": False, "fp8_unpack": "cvt", "early": False, "fold": False}
-
+# Launch-time options, read at each launch (so a CUDA graph keeps those in force at its capture):
+# "fold" selects the accumulator (module docstring). bench/gemv_tune.py times the step both ways.
+OPTIONS = {"fold": True}
 
 @triton.jit
 def _e4m3_bits_to_f32(w):
@@ -95,8 +90,24 @@ def _e4m3_bits_to_f32(w):
     return bits.to(tl.float32, bitcast=True)
 
 
-# Tiles of the "fold" kernel (OPTIONS): its accumulator is BLOCK_N wide, so tiles up to 64k elements fit.
-TILES_FOLD: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# Tiles of the folded kernel (the default): a sweep of each matrix alone with cold L2 ranked the tiles
+# (bench/gemv_tune.py --settings "fold=0;fold=1"), then coordinate descent over the sweep's five fastest
+# inside the one-stream step picked these for the FP8 "gemv" and bf16 "mixed2" matrices; the others
+# (bf16 gate/up and heads) are the sweep's fastest (bench/results/gemv-fold-h200/).
+TILES_FOLD = {
+    (2, 6144, 4096): (4, 4096, 4),  # qkv
+    (2, 4096, 4096): (1, 2048, 4),  # o
+    (2, 24576, 4096): (32, 512, 4),  # gate_up
+    (2, 4096, 12288): (8, 1024, 8),  # down
+    (2, 151680, 4096): (32, 256, 4),  # text head
+    (2, 16512, 4096): (4, 4096, 4),  # audio head
+    (1, 6144, 4096): (16, 1024, 8),
+    (1, 4096, 4096): (4, 2048, 4),
+    (1, 24576, 4096): (32, 512, 4),
+    (1, 4096, 12288): (16, 2048, 8),
+    (1, 151680, 4096): (32, 512, 4),
+    (1, 16512, 4096): (32, 512, 8),
+}
 
 
 def tiles() -> dict[tuple[int, int, int], tuple[int, int, int]]:
@@ -109,7 +120,7 @@ def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
     if (elem_bytes, n, k) in tiles():
         return tiles()[(elem_bytes, n, k)]
     if OPTIONS["fold"]:
-        return (4, 2048, 4)
+        return (16, 1024, 8) if k > n else (32, 512, 4)
     if n >= 65536:  # a head
         return (16, 512, 4) if elem_bytes == 2 else (16, 256, 4)
     if k > n:  # a down projection
@@ -121,16 +132,15 @@ def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
 def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, N, K, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, FP8_BITS: tl.constexpr,
-    EARLY: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = n < N
     tile = tl.arange(0, BLOCK_K)
+    # the weight pointers once, before the loop: the same kernel with them formed in the loop instead used
+    # 80 -> 96 registers for 32 x 512 FP8 tiles (ptxas) and its one-stream FP8 step was 3.14 ms, not 2.84
     w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
-    if EARLY:  # weights are never written by the kernels before this one: no need to wait for them
-        w_first = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
     pdl_enter(USE_PDL)
     act_ty = x_ptr.dtype.element_ty
     rstd = 0.0
@@ -150,22 +160,11 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if PREFETCH:
-        w_next = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tile
         # the weight load first: issued before the prologue's math, whose latency it then covers (the
-        # other order measured 7% slower in the FP8 step: bench/results/gemv-fp8-unpack-h200/)
-        if PREFETCH:
-            w = w_next
-            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nmask[:, None] & (k0 + BLOCK_K < K), other=0.0)
-        elif EARLY:
-            if k0 == 0:
-                w = w_first
-            else:
-                w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
+        # other order: 3.71 vs 3.47 ms in an FP8 step, bench/results/gemv-fp8-unpack-h200/)
+        w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
         if PROLOGUE == 0:
             xv = tl.load(x_ptr + k).to(tl.float32)
         elif PROLOGUE == 1:
@@ -179,30 +178,17 @@ def _gemv_kernel(
             u = tl.load(x_ptr + K + k).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
             xv = (a * u).to(act_ty).to(tl.float32)
-        if FP8_BITS:
-            prod = _e4m3_bits_to_f32(w) * (xv * 18446744073709551616.0)[None, :]  # 2^64
-        else:
-            prod = w.to(tl.float32) * xv[None, :]
         if FOLD:
-            acc += tl.sum(prod, axis=1)
+            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
         else:
-            acc += prod
+            acc += w.to(tl.float32) * xv[None, :]
     if FOLD:
         out = acc
     else:
         out = tl.sum(acc, axis=1)
     if HAS_SCALE:
-        s = tl.load(s_ptr + n, mask=nmask, other=0.0)
-        if FP8_BITS:
-            s = s * 72057594037927936.0  # 2^56: 2^120 of the weight pattern less 2^64 of the activation
-        out = out * s
+        out = out * tl.load(s_ptr + n, mask=nmask, other=0.0)
     tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-def fp8_bits(weight: torch.Tensor) -> bool:
-    """Whether the kernel unpacks this weight with `_e4m3_bits_to_f32` (FP8 weights in "bits" mode)."""
-    assert OPTIONS["fp8_unpack"] in ("cvt", "bits"), OPTIONS
-    return weight.element_size() == 1 and OPTIONS["fp8_unpack"] == "bits"
 
 
 def gemv(
@@ -230,7 +216,6 @@ def gemv(
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
         PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=OPTIONS["prefetch"], FP8_BITS=fp8_bits(weight), EARLY=OPTIONS["early"], FOLD=OPTIONS["fold"],
-        num_warps=warps, num_stages=1, **pdl_args(),
+        FOLD=OPTIONS["fold"], num_warps=warps, num_stages=1, **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

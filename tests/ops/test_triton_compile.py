@@ -54,15 +54,10 @@ SNAKE_SIG = _ptrs("x_ptr y_ptr alpha_ptr beta_ptr") | {"hu_ptr": "*fp32", "hd_pt
 
 # (name, kernel, signature, constexprs without USE_PDL): the shapes and flags the launch sites use
 CASES = [
-    *[(f"gemv[{w[1:]}{',bits' if bits else ''}{',prefetch' if pre else ''}{',early' if early else ''},prologue={p}]", gemv._gemv_kernel,
-       GEMV_SIG | {"w_ptr": w},
+    *[(f"gemv[{w[1:]},prologue={p},fold={fold}]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": w},
        {"PROLOGUE": p, "HAS_RES": p == gemv.RMSNORM, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
-        "PREFETCH": pre, "FP8_BITS": bits, "EARLY": early, "FOLD": early})
-      for w, bits, pre, early in (("*bf16", False, False, False), ("*bf16", False, True, False),
-                                  ("*bf16", False, False, True), ("*fp8e4nv", False, False, False),
-                                  ("*fp8e4nv", False, True, False), ("*fp8e4nv", True, False, False),
-                                  ("*fp8e4nv", False, False, True))
-      for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL)],
+        "FOLD": fold})
+      for w in ("*bf16", "*fp8e4nv") for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL) for fold in (False, True)],
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
     ("qk_norm_rope_store", elementwise._qk_norm_rope_store_kernel,
@@ -110,51 +105,24 @@ def _opcodes(ptx: str) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("prologue", [gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL])
-def test_fp8_gemv_bits_mode_unpacks_weights_without_the_conversion_unit(prologue: int) -> None:
-    """One tile of 8 x 512 FP8 weights over 128 threads is 32 bytes per thread: two 16-byte loads. "cvt"
-    widens them with 16 `cvt.rn.f16x2.e4m3x2` and 32 `cvt.f32.f16`; "bits" with integer shifts and masks
-    only (`_e4m3_bits_to_f32`: 3 per byte but 2 for the top one), then the same 32 FMAs."""
-    constexprs = {"PROLOGUE": prologue, "HAS_RES": prologue == gemv.RMSNORM, "HAS_SCALE": True, "BLOCK_N": 8,
-                  "BLOCK_K": 512, "PREFETCH": False, "EARLY": False, "FOLD": False, "USE_PDL": False}
-    aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
-    sig = GEMV_SIG | {"w_ptr": "*fp8e4nv"}
-    cvt = _opcodes(_ptx(gemv._gemv_kernel, sig, constexprs | {"FP8_BITS": False}, HOPPER, aligned))
-    bits = _opcodes(_ptx(gemv._gemv_kernel, sig, constexprs | {"FP8_BITS": True}, HOPPER, aligned))
-    assert cvt["ld.global.v4.b32"] == bits["ld.global.v4.b32"] == 2
-    assert (cvt.get("cvt.rn.f16x2.e4m3x2"), cvt.get("cvt.f32.f16")) == (16, 32)
-    assert "cvt.rn.f16x2.e4m3x2" not in bits and "cvt.f32.f16" not in bits
-    assert bits["shr.s32"] == 32 and bits["shl.b32"] >= 24
-    assert bits["fma.rn.f32"] == cvt["fma.rn.f32"] >= 32
-
-
-@pytest.mark.parametrize(("weight", "loads_per_tile"), [("*bf16", 4), ("*fp8e4nv", 2)])
-def test_gemv_prefetch_keeps_a_second_weight_tile_in_flight(weight: str, loads_per_tile: int) -> None:
-    """8 x 512 weights over 128 threads are 4 (bf16) or 2 (FP8) 16-byte loads per thread. With prefetch the
-    first tile is loaded before the loop and each iteration loads the next one before its math."""
+@pytest.mark.parametrize(("weight", "loads"), [("*bf16", 4), ("*fp8e4nv", 2)])
+def test_gemv_folds_each_tile_with_the_same_loads_and_products(weight: str, loads: int) -> None:
+    """8 x 512 weights over 128 threads: 32 per thread, in 4 (bf16) or 2 (FP8) 16-byte loads as the runtime's
+    aligned launch gets them, and 32 FMAs either way. Folded, each tile's products are summed across the
+    threads in the loop (butterfly shuffles there); unfolded, only once after it."""
     constexprs = {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
-                  "BLOCK_K": 512, "FP8_BITS": False, "EARLY": False, "FOLD": False, "USE_PDL": False}
+                  "BLOCK_K": 512, "USE_PDL": False}
     aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
     sig = GEMV_SIG | {"w_ptr": weight}
-    plain = _ptx(gemv._gemv_kernel, sig, constexprs | {"PREFETCH": False}, HOPPER, aligned)
-    ahead = _ptx(gemv._gemv_kernel, sig, constexprs | {"PREFETCH": True}, HOPPER, aligned)
-    assert _opcodes(plain)["ld.global.v4.b32"] == loads_per_tile
-    assert _opcodes(ahead)["ld.global.v4.b32"] == 2 * loads_per_tile
-    before_loop = ahead.split("Inner Loop Header")[0]
-    assert _opcodes(before_loop)["ld.global.v4.b32"] == loads_per_tile
-
-
-@pytest.mark.parametrize("weight", ["*bf16", "*fp8e4nv"])
-def test_gemv_early_option_loads_the_first_weight_tile_before_waiting_on_the_previous_kernel(weight: str) -> None:
-    constexprs = {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
-                  "BLOCK_K": 512, "FP8_BITS": False, "PREFETCH": False, "FOLD": False, "USE_PDL": True}
-    aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
-    sig = GEMV_SIG | {"w_ptr": weight}
-    for early, loads_before_wait in ((False, 0), (True, 4 if weight == "*bf16" else 2)):
-        ptx = _ptx(gemv._gemv_kernel, sig, constexprs | {"EARLY": early}, HOPPER, aligned)
-        before_wait, _, after_wait = ptx.partition("griddepcontrol.wait")
-        assert _opcodes(before_wait).get("ld.global.v4.b32", 0) == loads_before_wait
-        assert "ld.global" in after_wait
+    for fold in (False, True):
+        ptx = _ptx(gemv._gemv_kernel, sig, constexprs | {"FOLD": fold}, HOPPER, aligned)
+        header = re.search(r"^(\$L__BB\d+_\d+):.*Inner Loop Header", ptx, re.MULTILINE)
+        assert header is not None
+        loop = ptx[header.end():ptx.index(f"bra \t{header.group(1)};", header.end())]
+        ops = _opcodes(ptx)
+        assert ops["ld.global.v4.b32"] == loads and _opcodes(loop)["ld.global.v4.b32"] == loads
+        assert ops["fma.rn.f32"] + ops.get("mul.f32", 0) >= 32  # folded, a tile's first product is a mul
+        assert ("shfl.sync.bfly.b32" in _opcodes(loop)) == fold
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
