@@ -16,7 +16,7 @@ step), loading the next weight tile ahead into registers, and loading the first 
 
 The accumulator: "fold" (the default, `OPTIONS`) sums each tile's products over K at once into BLOCK_N
 float32 values; the earlier kernel kept a BLOCK_N x BLOCK_K float32 accumulator and summed once at the end.
-Folding halves the registers (ptxas: 124 -> 56 for an 8 x 512 FP8 tile), so more programs fit per SM and
+Folding halves the registers (ptxas: 124 -> 56 for a 16 x 512 FP8 tile), so more programs fit per SM and
 wider tiles fit at all, for one cross-thread sum per tile. Same run, one-stream step: FP8 2.84 vs 3.02 ms,
 bf16 `mixed2` 4.68 vs 4.72 ms (bench/results/gemv-fold-h200/). The two sum in a different order, so their
 outputs differ by float32 rounding.
@@ -138,8 +138,9 @@ def _gemv_kernel(
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = n < N
     tile = tl.arange(0, BLOCK_K)
-    # the weight pointers once, before the loop: the same kernel with them formed in the loop instead used
-    # 80 -> 96 registers for 32 x 512 FP8 tiles (ptxas) and its one-stream FP8 step was 3.14 ms, not 2.84
+    # the weight pointers once, before the loop: formed in the loop, a folded 32 x 512 FP8 tile took 96
+    # registers instead of 80 and the folded FP8 step lost to the unfolded one (3.14 vs 3.04 ms; folded with
+    # these pointers it wins, 2.83 vs 3.02: bench/results/gemv-fold-h200/)
     w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
     pdl_enter(USE_PDL)
     act_ty = x_ptr.dtype.element_ty
