@@ -200,8 +200,9 @@ def _from_sweep(path: str) -> dict[tuple[int, int, int], list[tuple[int, int, in
 def tune_in_step(args: argparse.Namespace) -> dict:
     """Coordinate descent on the tile table in force (runtime.kernels.gemv.tiles()), timing the captured
     one-stream decode step. With `--from-sweep`, each matrix tries the sweep's fastest tiles (else
-    CANDIDATES), starting from the table in force or, with `--seed-table`, from the sweep's fastest. With `--baseline`, the tuned step is then timed against the
-    step under those options (and their own table) in `--rounds` interleaved rounds."""
+    CANDIDATES), starting from the table in force or, with `--seed-table`, from the sweep's fastest. With
+    `--baseline`, the tuned step is then timed against the step under those options (and their own table)
+    in `--rounds` interleaved rounds."""
     from runtime.kernels import gemv as gemv_mod
 
     t_start = time.perf_counter()

@@ -7,6 +7,7 @@ out[N] = prologue(x) @ W.T, W [N, K] bf16 or FP8 (then times a per-row scale). P
 - SILU_MUL: x = [gate, up] of length 2K; silu(gate) * up.
 Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
 rows with wide loads (no tensor cores: one row of x).
+Under PDL (runtime/kernels/__init__.py) a program may be scheduled while the previous kernel runs.
 
 FP8 weights are widened to float32 by Triton's conversion (`cvt.rn.f16x2.e4m3x2`, then `cvt.f32.f16`).
 Tried and measured slower on the H200 (commits ec0eeb8, 2274365; bench/results/gemv-fp8-unpack-h200/,
@@ -17,9 +18,9 @@ step), loading the next weight tile ahead into registers, and loading the first 
 The accumulator: "fold" (the default, `OPTIONS`) sums each tile's products over K at once into BLOCK_N
 float32 values; the earlier kernel kept a BLOCK_N x BLOCK_K float32 accumulator and summed once at the end.
 Folding halves the registers (ptxas: 124 -> 56 for a 16 x 512 FP8 tile), so more programs fit per SM and
-wider tiles fit at all, for one cross-thread sum per tile. Same run, one-stream step: FP8 2.84 vs 3.02 ms,
-bf16 `mixed2` 4.68 vs 4.72 ms (bench/results/gemv-fold-h200/). The two sum in a different order, so their
-outputs differ by float32 rounding.
+wider tiles fit at all, for one cross-thread sum per tile. Same-process A/B of the one-stream step: FP8
+2.828 vs 3.019 ms, bf16 all-GEMV 4.568 vs 4.850 ms (bench/results/gemv-fold-h200/). The two sum in a
+different order, so their outputs differ by float32 rounding.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ NONE, RMSNORM, SILU_MUL = 0, 1, 2
 
 
 # Tiles of the unfolded kernel (`fold` off): (BLOCK_N, BLOCK_K, warps) per (weight bytes per element, N, K)
-# of the full model's matrices: chosen
-# from H200 sweeps of each matrix alone with cold L2 (bench/gemv_tune.py), then by coordinate descent inside
-# the captured one-stream decode step (bench/gemv_tune.py --in-step; bench/results/gemv-tune-*-h200.json).
+# of the full model's matrices: chosen from H200 sweeps of each matrix alone with cold L2
+# (bench/gemv_tune.py), then by coordinate descent inside the captured one-stream decode step
+# (bench/gemv_tune.py --in-step; bench/results/gemv-tune-*-h200.json).
 # A fixed table instead of Triton's autotuner: the autotuner times each shape on one L2-warm matrix in
 # isolation; it picked tiles up to 18% slower than the best (QKV 20.7 vs 17.5 us) and its choices varied
 # from process to process.
@@ -59,41 +60,12 @@ TILES = {
 # "fold" selects the accumulator (module docstring). bench/gemv_tune.py times the step both ways.
 OPTIONS = {"fold": True}
 
-@triton.jit
-def _e4m3_bits_to_f32(w):
-    """e4m3 weights (any shape, a multiple of 4 elements per thread) -> float32 equal to w * 2^-120.
-
-    Per 32-bit word of 4 bytes: move byte i to the top (shl 24-8i), shift right arithmetically by 4 (the
-    sign lands on bit 31 and is copied into bits 27-30; exponent and mantissa land on bits 20-26), mask
-    bits 27-30 and the lower bytes away. Exponent e and mantissa m thus become float32 exponent e and
-    mantissa m/8: (1 + m/8) * 2^(e-127) for e > 0 and (m/8) * 2^-126 for e = 0, both the e4m3 value
-    times 2^-120. Byte 0 of a word is the lowest-addressed element, as Triton packs them.
-    """
-    bits = tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 t;
-        shl.b32 t, $4, 24;
-        shr.s32 t, t, 4;
-        and.b32 $0, t, 0x87F00000;
-        shl.b32 t, $4, 16;
-        shr.s32 t, t, 4;
-        and.b32 $1, t, 0x87F00000;
-        shl.b32 t, $4, 8;
-        shr.s32 t, t, 4;
-        and.b32 $2, t, 0x87F00000;
-        shr.s32 t, $4, 4;
-        and.b32 $3, t, 0x87F00000;
-        }
-        """,
-        "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.uint32, is_pure=True, pack=4)
-    return bits.to(tl.float32, bitcast=True)
-
 
 # Tiles of the folded kernel (the default): a sweep of each matrix alone with cold L2 ranked the tiles
 # (bench/gemv_tune.py --settings "fold=0;fold=1"), then coordinate descent over the sweep's five fastest
 # inside the one-stream step picked these for the FP8 "gemv" and bf16 "mixed2" matrices; the others
-# (bf16 gate/up and heads) are the sweep's fastest (bench/results/gemv-fold-h200/).
+# (bf16 gate/up and heads) are the sweep's fastest. A second descent over nine candidates, FP8 and bf16
+# "gemv", moved the step by under 0.5% and was not adopted (bench/results/gemv-fold-h200/).
 TILES_FOLD = {
     (2, 6144, 4096): (4, 4096, 4),  # qkv
     (2, 4096, 4096): (1, 2048, 4),  # o
