@@ -47,8 +47,8 @@ from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model import build_model
 
 INT_OPTIONS = ("pdl_max_rows",)
-BOOL_OPTIONS = ("parallel_tails", "gemv_fold")
-GEMV_OPTIONS = ("gemv_fold",)  # runtime.kernels.gemv.OPTIONS["fold"], in force while the variant is captured
+BOOL_OPTIONS = ("parallel_tails",)
+GEMV_OPTIONS = ("gemv_fold",)  # runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table") while capturing
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -61,7 +61,8 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
-        options[key] = int(value) if key in INT_OPTIONS else value == "1" if key in BOOL_OPTIONS else value
+        options[key] = (int(value) if key in INT_OPTIONS or (key in GEMV_OPTIONS and value.isdigit())
+                        else value == "1" if key in BOOL_OPTIONS else value)
     return parts[0], int(parts[1]), options
 
 

@@ -172,8 +172,24 @@ def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]
     return out
 
 
-def _check_gemv(device: torch.device, hidden: int = 4096, inter: int = 12288, **_: int) -> list[dict]:
-    """One-row fused GEMV (runtime/kernels/gemv.py) vs the separate PyTorch ops + F.linear."""
+def _check_gemv(device: torch.device, **shape: int) -> list[dict]:
+    """One-row fused GEMV (runtime/kernels/gemv.py) vs the separate PyTorch ops + F.linear, in each fold mode
+    (OPTIONS["fold"]; "table" as serving runs it: these shapes fall back to the table's default tile)."""
+    from runtime.kernels import gemv as gemv_mod
+
+    out: list[dict] = []
+    before = gemv_mod.OPTIONS["fold"]
+    try:
+        for mode in (0, 1, 2, "table"):
+            gemv_mod.OPTIONS["fold"] = mode
+            for c in _check_gemv_mode(device, **shape):
+                out.append(c | {"kernel": c["kernel"].replace("gemv(", f"gemv(fold={mode}, ", 1)})
+    finally:
+        gemv_mod.OPTIONS["fold"] = before
+    return out
+
+
+def _check_gemv_mode(device: torch.device, hidden: int = 4096, inter: int = 12288, **_: int) -> list[dict]:
     from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL, gemv
 
     ref, _, _, randn = _setup(device)

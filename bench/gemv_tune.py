@@ -76,12 +76,12 @@ def reference(x: torch.Tensor, w: torch.Tensor, prologue: int, res: torch.Tensor
     return xf @ w.float().t()
 
 
-def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps):
+def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps, fold):
     n, k = w.shape
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
         PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
-        BLOCK_N=bn, BLOCK_K=bk, FOLD=OPTIONS["fold"], num_warps=warps, num_stages=1)
+        BLOCK_N=bn, BLOCK_K=bk, FOLD=fold, num_warps=warps, num_stages=1)
 
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),
@@ -99,7 +99,7 @@ def parse_settings(text: str) -> list[dict]:
             key, _, value = pair.partition("=")
             if key not in OPTIONS:
                 raise SystemExit(f"unknown GEMV option {key!r}; known: {sorted(OPTIONS)}")
-            setting[key] = (value == "1") if isinstance(OPTIONS[key], bool) else value
+            setting[key] = int(value) if value.isdigit() else value
         out.append(setting)
     return out
 
@@ -184,17 +184,22 @@ def ab_in_step(args: argparse.Namespace) -> dict:
     return out
 
 
-def _from_sweep(path: str) -> dict[tuple[int, int, int], list[tuple[int, int, int]]]:
-    """Per table key, the tiles of a sweep (bench/gemv_tune.py JSON) run under the options now in force,
-    fastest first."""
-    out: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
-    for row in json.loads(Path(path).read_text())["matrices"]:
-        if row["options"].get("fold") != OPTIONS["fold"]:
-            continue
-        timed = sorted((e for e in row["shapes"] if "us" in e), key=lambda e: e["us"])
-        key = (1 if row["dtype"] == "fp8" else 2, row["n"], row["k"])
-        out[key] = [(e["block_n"], e["block_k"], e["warps"]) for e in timed]
-    return out
+def _from_sweep(paths: str) -> dict[tuple[int, int, int], list[tuple[int, ...]]]:
+    """Per table key, the tiles of sweeps (bench/gemv_tune.py JSON, comma-separated paths) run under the
+    fold mode in force, fastest first: (BLOCK_N, BLOCK_K, warps) for mode 0, else with the mode appended;
+    under "table", the sweeps of modes 1 and 2 ranked together."""
+    mode = OPTIONS["fold"]
+    runs: dict[tuple[int, int, int], list[tuple[float, tuple[int, ...]]]] = {}
+    for path in paths.split(","):
+        for row in json.loads(Path(path).read_text())["matrices"]:
+            fold = int(row["options"].get("fold", 0))
+            if fold != mode and not (mode == "table" and fold in (1, 2)):
+                continue
+            key = (1 if row["dtype"] == "fp8" else 2, row["n"], row["k"])
+            runs.setdefault(key, []).extend(
+                (e["us"], (e["block_n"], e["block_k"], e["warps"], *((fold,) if mode != 0 else ())))
+                for e in row["shapes"] if "us" in e)
+    return {key: list(dict.fromkeys(tile for _, tile in sorted(found))) for key, found in runs.items()}
 
 
 def tune_in_step(args: argparse.Namespace) -> dict:
@@ -223,12 +228,13 @@ def tune_in_step(args: argparse.Namespace) -> dict:
     for name in args.modes.split(","):
         keys = plan[name]
         for key in keys:
-            table.setdefault(key, gemv_tile(*key))
+            table.setdefault(key, gemv_tile(*key)[: 3 if OPTIONS["fold"] == 0 else 4])
         start_ms, ref = bench.step(name)
         best_ms = start_ms
         trials = []
         for key in keys:
-            for tile in (seeds.get(key) or CANDIDATES)[: args.candidates]:
+            fallback = CANDIDATES if OPTIONS["fold"] == 0 else [(*c, 1) for c in CANDIDATES]
+            for tile in (seeds.get(key) or fallback)[: args.candidates]:
                 if tile == table[key] or time.perf_counter() - t_start > args.budget_s:
                     continue
                 before = table[key]
@@ -334,7 +340,8 @@ def sweep(args: argparse.Namespace) -> dict:
             if dtype == "bf16" and prologue == NONE:
                 us = graph_us_per_call([functools.partial(F.linear, x, bf[i % copies]) for i in range(CALLS)])
                 row["cublas_no_prologue"] = {"us": round(us, 2), "gbps": round(row["bytes"] / us / 1e3, 1)}
-            for bn, bk, warps in shapes(wide=OPTIONS["fold"]):
+            fold = OPTIONS["fold"] if OPTIONS["fold"] != "table" else 1
+            for bn, bk, warps in shapes(wide=fold != 0):
                 if k % bk:
                     continue
                 if time.perf_counter() - t_start > args.budget_s:
@@ -343,7 +350,7 @@ def sweep(args: argparse.Namespace) -> dict:
                 out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
                 entry: dict = {"block_n": bn, "block_k": bk, "warps": warps}
                 try:
-                    launch(x, res, nw, res_out, w0, s0, out, prologue, bn, bk, warps)
+                    launch(x, res, nw, res_out, w0, s0, out, prologue, bn, bk, warps, fold)
                     err = float((out[0].float() - ref).abs().max())
                     entry["max_abs_err"] = round(err, 5)
                     if not (err <= tol):
@@ -352,7 +359,7 @@ def sweep(args: argparse.Namespace) -> dict:
                         outs = [torch.empty(1, n, device=dev, dtype=torch.bfloat16) for _ in range(CALLS)]
                         us = graph_us_per_call([functools.partial(
                             launch, x, res, nw, res_out, mats[i % copies][0], mats[i % copies][1], outs[i],
-                            prologue, bn, bk, warps) for i in range(CALLS)])
+                            prologue, bn, bk, warps, fold) for i in range(CALLS)])
                         entry.update(ok=True, us=round(us, 2), gbps=round(row["bytes"] / us / 1e3, 1))
                 except Exception as exc:  # noqa: BLE001 - reported in the JSON
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -15,10 +15,12 @@ gemv-prefetch-h200/): unpacking FP8 by integer bit moves instead of the conversi
 step), loading the next weight tile ahead into registers, and loading the first tile before the PDL wait
 (both raise the register count and cut the number of programs per SM).
 
-The accumulator: "fold" (the default, `OPTIONS`) sums each tile's products over K at once into BLOCK_N
-float32 values; the earlier kernel kept a BLOCK_N x BLOCK_K float32 accumulator and summed once at the end.
-Folding halves the registers (ptxas: 124 -> 56 for a 16 x 512 FP8 tile), so more programs fit per SM and
-wider tiles fit at all, for one cross-thread sum per tile. Same-process A/B of the one-stream step: FP8
+The accumulator (`OPTIONS["fold"]`, per matrix from TILES_FOLD by default): fold 1 sums each tile's
+products over K at once into BLOCK_N float32 values, with a cross-thread sum per tile; fold 2 sums only
+within each thread's 16-byte vector (BLOCK_N x BLOCK_K/VEC values, no shuffles in the loop) and across
+threads once at the end; the earlier kernel (fold 0) kept a BLOCK_N x BLOCK_K float32 accumulator. Folding
+halves the registers (ptxas: 124 -> 56 for a 16 x 512 FP8 tile), so more programs fit per SM and wider
+tiles fit at all. Same-process A/B of the one-stream step: FP8
 2.828 vs 3.019 ms, bf16 all-GEMV 4.568 vs 4.850 ms (bench/results/gemv-fold-h200/). The two sum in a
 different order, so their outputs differ by float32 rounding.
 """
@@ -57,47 +59,55 @@ TILES = {
 
 
 # Launch-time options, read at each launch (so a CUDA graph keeps those in force at its capture):
-# "fold" selects the accumulator (module docstring). bench/gemv_tune.py times the step both ways.
-OPTIONS = {"fold": True}
+# "fold" selects the accumulator (module docstring): 0 none (tiles from TILES), 1 across the tile, 2 within
+# each thread's 16-byte vectors only, or "table": each matrix's mode from TILES_FOLD. bench/gemv_tune.py
+# times the step each way.
+OPTIONS: dict[str, int | str] = {"fold": "table"}
 
 
-# Tiles of the folded kernel (the default): a sweep of each matrix alone with cold L2 ranked the tiles
-# (bench/gemv_tune.py --settings "fold=0;fold=1"), then coordinate descent over the sweep's five fastest
-# inside the one-stream step picked these for the FP8 "gemv" and bf16 "mixed2" matrices; the others
-# (bf16 gate/up and heads) are the sweep's fastest. A second descent over nine candidates, FP8 and bf16
-# "gemv", moved the step by under 0.5% and was not adopted (bench/results/gemv-fold-h200/).
+# Tiles and fold modes (BLOCK_N, BLOCK_K, warps, fold) of the folded kernel (the default), for the FP8 and
+# bf16 "gemv" modes: sweeps of each matrix alone with cold L2 ranked tiles under fold 1 and fold 2
+# (bench/gemv_tune.py --settings "fold=1;fold=2"), then coordinate descent over each matrix's six fastest
+# inside the one-stream step (bench/gemv_tune.py --in-step --from-sweep ...): FP8 step 2.835 -> 2.726 ms,
+# bf16 4.576 -> 4.515 ms, mostly from FP8 down (fold 2) and bf16 gate/up; the other moves are within the
+# noise (bench/results/gemv-fold-h200/fold2/).
 TILES_FOLD = {
-    (2, 6144, 4096): (4, 4096, 4),  # qkv
-    (2, 4096, 4096): (1, 2048, 4),  # o
-    (2, 24576, 4096): (32, 512, 4),  # gate_up
-    (2, 4096, 12288): (8, 1024, 8),  # down
-    (2, 151680, 4096): (32, 256, 4),  # text head
-    (2, 16512, 4096): (4, 4096, 4),  # audio head
-    (1, 6144, 4096): (16, 1024, 8),
-    (1, 4096, 4096): (4, 2048, 4),
-    (1, 24576, 4096): (32, 512, 4),
-    (1, 4096, 12288): (16, 2048, 8),
-    (1, 151680, 4096): (32, 512, 4),
-    (1, 16512, 4096): (32, 512, 8),
+    (2, 6144, 4096): (4, 4096, 4, 2),  # qkv
+    (2, 4096, 4096): (1, 2048, 4, 1),  # o
+    (2, 24576, 4096): (32, 512, 8, 2),  # gate_up
+    (2, 4096, 12288): (8, 1024, 8, 1),  # down
+    (2, 151680, 4096): (32, 256, 8, 2),  # text head
+    (2, 16512, 4096): (16, 512, 8, 2),  # audio head
+    (1, 6144, 4096): (16, 1024, 8, 2),
+    (1, 4096, 4096): (4, 2048, 4, 2),
+    (1, 24576, 4096): (32, 512, 4, 1),
+    (1, 4096, 12288): (8, 2048, 8, 2),
+    (1, 151680, 4096): (32, 512, 8, 2),
+    (1, 16512, 4096): (16, 512, 4, 1),
 }
 
 
-def tiles() -> dict[tuple[int, int, int], tuple[int, int, int]]:
+def tiles() -> dict[tuple[int, int, int], tuple[int, ...]]:
     """The tile table of the kernel the options in force select."""
-    return TILES_FOLD if OPTIONS["fold"] else TILES
+    return TILES if OPTIONS["fold"] == 0 else TILES_FOLD
 
 
-def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) for an [n, k] weight: the table's, else by the nearest kind of matrix."""
-    if (elem_bytes, n, k) in tiles():
-        return tiles()[(elem_bytes, n, k)]
-    if OPTIONS["fold"]:
-        return (16, 1024, 8) if k > n else (32, 512, 4)
-    if n >= 65536:  # a head
-        return (16, 512, 4) if elem_bytes == 2 else (16, 256, 4)
-    if k > n:  # a down projection
-        return (4, 1024, 4) if elem_bytes == 2 else (8, 1024, 4)
-    return (16, 512, 4) if elem_bytes == 2 else (8, 512, 4)
+def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, fold) for an [n, k] weight under the options in force: the table's, else
+    by the nearest kind of matrix."""
+    mode = OPTIONS["fold"]
+    assert mode in (0, 1, 2, "table"), OPTIONS
+    key = (elem_bytes, n, k)
+    if mode == 0:
+        if key in TILES:
+            return (*TILES[key], 0)
+        if n >= 65536:  # a head
+            return (16, 512, 4, 0) if elem_bytes == 2 else (16, 256, 4, 0)
+        if k > n:  # a down projection
+            return (4, 1024, 4, 0) if elem_bytes == 2 else (8, 1024, 4, 0)
+        return (16, 512, 4, 0) if elem_bytes == 2 else (8, 512, 4, 0)
+    block_n, block_k, warps, fold = TILES_FOLD.get(key, (16, 1024, 8, 1) if k > n else (32, 512, 4, 1))
+    return block_n, block_k, warps, fold if mode == "table" else int(mode)
 
 
 @triton.jit
@@ -129,8 +139,11 @@ def _gemv_kernel(
             xf = xv.to(tl.float32)
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    if FOLD:
+    VEC: tl.constexpr = 16 // w_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements per 16-byte load
+    if FOLD == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
+    elif FOLD == 2:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -151,11 +164,13 @@ def _gemv_kernel(
             u = tl.load(x_ptr + K + k).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
             xv = (a * u).to(act_ty).to(tl.float32)
-        if FOLD:
+        if FOLD == 1:
             acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        elif FOLD == 2:
+            acc += tl.sum(tl.reshape(w.to(tl.float32) * xv[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
         else:
             acc += w.to(tl.float32) * xv[None, :]
-    if FOLD:
+    if FOLD == 1:
         out = acc
     else:
         out = tl.sum(acc, axis=1)
@@ -175,7 +190,7 @@ def gemv(
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
     n_dim, k_dim = weight.shape
     assert x.shape[1] == (2 * k_dim if prologue == SILU_MUL else k_dim)
-    block_n, block_k, warps = gemv_tile(weight.element_size(), n_dim, k_dim)
+    block_n, block_k, warps, fold = gemv_tile(weight.element_size(), n_dim, k_dim)
     assert k_dim % block_k == 0, f"K ({k_dim}) must be a multiple of BLOCK_K ({block_k})"
     out = torch.empty(1, n_dim, device=x.device, dtype=x.dtype)
     res_out = x
@@ -189,6 +204,6 @@ def gemv(
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
         PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        FOLD=OPTIONS["fold"], num_warps=warps, num_stages=1, **pdl_args(),
+        FOLD=fold, num_warps=warps, num_stages=1, **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

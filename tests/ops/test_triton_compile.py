@@ -57,7 +57,7 @@ CASES = [
     *[(f"gemv[{w[1:]},prologue={p},fold={fold}]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": w},
        {"PROLOGUE": p, "HAS_RES": p == gemv.RMSNORM, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
         "FOLD": fold})
-      for w in ("*bf16", "*fp8e4nv") for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL) for fold in (False, True)],
+      for w in ("*bf16", "*fp8e4nv") for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL) for fold in (0, 1, 2)],
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
     ("qk_norm_rope_store", elementwise._qk_norm_rope_store_kernel,
@@ -108,13 +108,14 @@ def _opcodes(ptx: str) -> dict[str, int]:
 @pytest.mark.parametrize(("weight", "loads"), [("*bf16", 4), ("*fp8e4nv", 2)])
 def test_gemv_folds_each_tile_with_the_same_loads_and_products(weight: str, loads: int) -> None:
     """8 x 512 weights over 128 threads: 32 per thread, in 4 (bf16) or 2 (FP8) 16-byte loads as the runtime's
-    aligned launch gets them, and 32 FMAs either way. Folded, each tile's products are summed across the
-    threads in the loop (butterfly shuffles there); unfolded, only once after it."""
+    aligned launch gets them, and 32 FMAs each way. Folded across the tile (1), each tile's products are
+    summed across the threads in the loop (butterfly shuffles there); unfolded (0) or folded within each
+    thread's vectors (2), only once after it."""
     constexprs = {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
                   "BLOCK_K": 512, "USE_PDL": False}
     aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
     sig = GEMV_SIG | {"w_ptr": weight}
-    for fold in (False, True):
+    for fold in (0, 1, 2):
         ptx = _ptx(gemv._gemv_kernel, sig, constexprs | {"FOLD": fold}, HOPPER, aligned)
         header = re.search(r"^(\$L__BB\d+_\d+):.*Inner Loop Header", ptx, re.MULTILINE)
         assert header is not None
@@ -122,7 +123,7 @@ def test_gemv_folds_each_tile_with_the_same_loads_and_products(weight: str, load
         ops = _opcodes(ptx)
         assert ops["ld.global.v4.b32"] == loads and _opcodes(loop)["ld.global.v4.b32"] == loads
         assert ops["fma.rn.f32"] + ops.get("mul.f32", 0) >= 32  # folded, a tile's first product is a mul
-        assert ("shfl.sync.bfly.b32" in _opcodes(loop)) == fold
+        assert ("shfl.sync.bfly.b32" in _opcodes(loop)) == (fold == 1)
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
