@@ -20,9 +20,10 @@ products over K at once into BLOCK_N float32 values, with a cross-thread sum per
 within each thread's 16-byte vector (BLOCK_N x BLOCK_K/VEC values, no shuffles in the loop) and across
 threads once at the end; the earlier kernel (fold 0) kept a BLOCK_N x BLOCK_K float32 accumulator. Folding
 halves the registers (ptxas: 124 -> 56 for a 16 x 512 FP8 tile), so more programs fit per SM and wider
-tiles fit at all. Same-process A/B of the one-stream step: FP8
-2.828 vs 3.019 ms, bf16 all-GEMV 4.568 vs 4.850 ms (bench/results/gemv-fold-h200/). The two sum in a
-different order, so their outputs differ by float32 rounding.
+tiles fit at all. Same-process A/B of the one-stream step, unfolded vs the
+table: FP8 3.007 vs 2.710 ms, bf16 all-GEMV vs last session's default (`mixed2`, unfolded) 4.472 vs 4.629 ms
+(bench/results/gemv-fold-h200/). The forms sum in different orders, so their outputs differ by float32
+rounding.
 """
 from __future__ import annotations
 
