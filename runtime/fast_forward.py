@@ -78,8 +78,8 @@ class FastForward:
         cuBLAS for QKV and gate/up, the Triton GEMV for o and down (SiLU fused); "mixed2" = cuBLAS for
         gate/up only (QKV through the GEMV with the RMSNorm fused in front). Default: "gemv", the fastest
         for FP8 and, since the GEMV folds its accumulator (runtime/kernels/gemv.py), for bf16 as well:
-        4.568 vs `mixed2` 4.668 ms in one interleaved A/B run, 4.588 vs 4.662 ms in the engine run of the
-        same lease (bench/results/gemv-fold-h200/; docs/gpu.md).
+        4.50 vs `mixed2` 4.56 ms in the engine run (4.48 vs 4.55 in its repeat), 4.568 vs 4.668 ms in an
+        interleaved A/B with an earlier table (bench/results/engine-h200.json, gemv-fold-h200/; docs/gpu.md).
         `pdl`: how the Triton kernels of steps of at most `pdl_max_rows` rows are launched (one of
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
