@@ -140,7 +140,7 @@ def _gemv_kernel(
             xf = xv.to(tl.float32)
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    VEC: tl.constexpr = 16 // w_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements per 16-byte load
+    VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-byte load
     if FOLD == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif FOLD == 2:

@@ -58,6 +58,9 @@ CASES = [
        {"PROLOGUE": p, "HAS_RES": p == gemv.RMSNORM, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
         "FOLD": fold})
       for w in ("*bf16", "*fp8e4nv") for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL) for fold in (0, 1, 2)],
+    # float32 weights: the engine's float32 checks run the GEMV on them (a 16-byte vector is 4 of them)
+    ("gemv[fp32,fold=2]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": "*fp32"},
+     {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 2}),
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
     ("qk_norm_rope_store", elementwise._qk_norm_rope_store_kernel,
