@@ -236,8 +236,18 @@ def _check_fp8_codes(device: torch.device, n: int = 256, k: int = 1024) -> dict:
     return {"kernel": "gemv(fp8 codes)", "mismatches": mismatches, "ok": mismatches == 0}
 
 
-if __name__ == "__main__":  # python -m bench.fast_checks: every check on the GPU, one JSON line
-    import json
+if __name__ == "__main__":  # python -m bench.fast_checks [--out FILE]: every check on the GPU, one JSON line
+    import argparse
+    import shlex
+    import sys
+    from pathlib import Path
 
+    from bench.fast_tools import emit
+
+    ap = argparse.ArgumentParser(description="every GPU kernel check of the fast path")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args()
     checks = run_kernel_checks(torch.device("cuda"))
-    print(json.dumps({"bench": "fast_checks", "all_ok": all(c["ok"] for c in checks), "checks": checks}))
+    emit({"bench": "fast_checks", "command": shlex.join(["python", "-m", "bench.fast_checks", *sys.argv[1:]]),
+          "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+          "all_ok": all(c["ok"] for c in checks), "checks": checks}, args.out)

@@ -2,14 +2,16 @@
 code and the per-step decode time (graph replay + sampling + host work) on the full random-weight model,
 bf16 and FP8 (all matrices), one conversation, no vocoder.
 
-    python bench/fast_engine_check.py      # prints one JSON line
+    python bench/fast_engine_check.py --out bench/results/engine-h200-check.json   # also prints one JSON line
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.fast_tools import emit, log
 from runtime.config import AUDIO_PAD_ID, IM_START_ID, SOSP_ID, ModelConfig, Row
 from runtime.engine import EngineConfig, EngineCore, default_seed
 from runtime.kv_cache import kv_bytes_per_block
@@ -114,9 +117,14 @@ def full_first_audio(prompt_len: int = 512, reps: int = 5, fp8_scope: str | None
 
 
 if __name__ == "__main__":
-    result = {"tiny_float32": tiny_exact()}
-    print(json.dumps(result), file=sys.stderr, flush=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    result = {"bench": "fast_engine_check", "command": shlex.join(["python", "bench/fast_engine_check.py", *sys.argv[1:]]),
+              "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "tiny_float32": tiny_exact()}
+    log(json.dumps(result))
     result["full_bf16"] = full_first_audio()
-    print(json.dumps(result), file=sys.stderr, flush=True)
+    log(json.dumps(result))
     result["full_fp8_all"] = full_first_audio(fp8_scope="all")
-    print(json.dumps(result))
+    emit(result, args.out)
