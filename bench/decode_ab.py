@@ -28,23 +28,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fast_tools import (
-    Blocks,
+    DecodeSetup,
     copy_bandwidth_gbps,
     emit,
     log,
     logit_compare,
-    make_rows,
-    plain_inputs,
     time_ms,
 )
-from runtime.config import ModelConfig
 from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward
 from runtime.fast_ops import TritonOps
-from runtime.fused import fuse_model_weights, with_fp8
 from runtime.kernels import gemv as gemv_mod
-from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
-from runtime.model import build_model
+from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows",)
 BOOL_OPTIONS = ("parallel_tails",)
@@ -80,26 +75,10 @@ def main(argv: list[str]) -> dict:
     result: dict = {"bench": "decode_ab", "command": shlex.join(["python", "bench/decode_ab.py", *argv]),
                     "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
                     "copy_gbps": round(copy_bandwidth_gbps(device), 1), "context_len": args.context_len}
-    model = build_model(ModelConfig.preset("full"), seed=0, device=device, dtype=torch.bfloat16)
-    config = model.config
-    bf16 = fuse_model_weights(model)
-    weights = {"bf16": bf16}
-    if any(s[0] == "fp8" for s in specs):
-        weights["fp8"] = with_fp8(bf16, "all")
-    ops = TritonOps()
-    bs, ctx = 16, args.context_len
     batches = sorted({s[1] for s in specs})
-    per_seq = (ctx + 32) // bs + 1
-    cache = allocate_kv_cache(config, (sum(batches) + 4) * per_seq, bs, device, torch.bfloat16)
-    cache.k.normal_(0, 1)
-    cache.v.normal_(0, 1)
-    blocks = Blocks()
-    inputs = {}
-    for b in batches:
-        tables = [blocks.take(ctx + 1, bs) for _ in range(b)]
-        tok, aud, pos, attn = plain_inputs(make_rows(b, 100 + b), [(1, ctx + 1, t) for t in tables], bs, device)
-        inputs[b] = (tok, aud, pos, attn.slot_mapping, torch.tensor(tables, dtype=torch.int32, device=device),
-                     torch.full((b,), ctx + 1, dtype=torch.int32, device=device))
+    setup = DecodeSetup(batches, args.context_len, fp8=any(s[0] == "fp8" for s in specs))
+    config, weights, cache, inputs, ctx = setup.config, setup.weights, setup.cache, setup.inputs, setup.context_len
+    ops = TritonOps()
     log("model ready")
 
     runners, logits, rows = [], [], []

@@ -80,6 +80,40 @@ def plain_inputs(rows: list[Row], work: list[tuple[int, int, list[int]]], block_
     return tokens.to(device), is_audio.to(device), attn.positions(device), attn
 
 
+class DecodeSetup:
+    """The full random-weight model ready for captured decode steps: fused bf16 weights (and their FP8 twins,
+    every matrix, with `fp8`), a KV cache of random values and, per batch size, the graph runner's inputs
+    for that many sequences of `context_len` earlier tokens (`inputs[b]`, as `DecodeGraphRunner.run` takes
+    them). Shared by bench/decode_ab.py and bench/gemv_tune.py."""
+
+    def __init__(self, batches: list[int], context_len: int = 512, fp8: bool = True, block_size: int = 16) -> None:
+        from runtime.config import ModelConfig
+        from runtime.fused import fuse_model_weights, with_fp8
+        from runtime.kv_cache import allocate_kv_cache
+        from runtime.model import build_model
+
+        device = torch.device("cuda")
+        self.context_len = context_len
+        model = build_model(ModelConfig.preset("full"), seed=0, device=device, dtype=torch.bfloat16)
+        self.config = model.config
+        self.weights = {"bf16": fuse_model_weights(model)}
+        if fp8:
+            self.weights["fp8"] = with_fp8(self.weights["bf16"], "all")
+        per_seq = (context_len + 32) // block_size + 1
+        self.cache = allocate_kv_cache(self.config, (sum(batches) + 4) * per_seq, block_size, device,
+                                       torch.bfloat16)
+        self.cache.k.normal_(0, 1)
+        self.cache.v.normal_(0, 1)
+        blocks = Blocks()
+        self.inputs = {}
+        for b in sorted(set(batches)):
+            tables = [blocks.take(context_len + 1, block_size) for _ in range(b)]
+            tok, aud, pos, attn = plain_inputs(make_rows(b, 100 + b), [(1, context_len + 1, t) for t in tables],
+                                               block_size, device)
+            self.inputs[b] = (tok, aud, pos, attn.slot_mapping, torch.tensor(tables, dtype=torch.int32, device=device),
+                              torch.full((b,), context_len + 1, dtype=torch.int32, device=device))
+
+
 def greedy(step: Callable[[list[Row], int], tuple[torch.Tensor, torch.Tensor]], prompt: list[Row], n: int):
     rows = list(prompt)
     text, audio = step(rows, len(rows))

@@ -112,27 +112,13 @@ class StepBench:
     """The full random-weight model's one-stream decode step as serving captures it, for one mode."""
 
     def __init__(self, pdl: str) -> None:
-        from bench.fast_tools import Blocks, make_rows, plain_inputs
-        from runtime.config import ModelConfig
-        from runtime.fused import fuse_model_weights, with_fp8
-        from runtime.kv_cache import allocate_kv_cache
-        from runtime.model import build_model
+        from bench.fast_tools import DecodeSetup
 
-        dev = torch.device("cuda")
         self.pdl = pdl
-        self.config = ModelConfig.preset("full")
-        model = build_model(self.config, seed=0, device=dev, dtype=torch.bfloat16)
-        self.weights = {"bf16": fuse_model_weights(model)}
-        self.weights["fp8"] = with_fp8(self.weights["bf16"], "all")
-        bs, ctx = 16, 512
-        self.context_len = ctx
-        self.cache = allocate_kv_cache(self.config, 64, bs, dev, torch.bfloat16)
-        self.cache.k.normal_(0, 1)
-        self.cache.v.normal_(0, 1)
-        table = Blocks(0).take(ctx + 1, bs)
-        tok, aud, pos, attn = plain_inputs(make_rows(1, 101), [(1, ctx + 1, table)], bs, dev)
-        self.run_args = (tok, aud, pos, attn.slot_mapping, torch.tensor([table], dtype=torch.int32, device=dev),
-                         torch.full((1,), ctx + 1, dtype=torch.int32, device=dev))
+        setup = DecodeSetup([1])
+        self.config, self.weights, self.cache, self.context_len = (setup.config, setup.weights, setup.cache,
+                                                                   setup.context_len)
+        self.run_args = setup.inputs[1]
 
     def step(self, mode: str) -> tuple[float, tuple[torch.Tensor, ...]]:
         """Capture the step of `mode` (STEP_MODES) under the GEMV options in force; (median ms, logits)."""
@@ -157,29 +143,39 @@ def _drift(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> dict:
             "finite": all(bool(torch.isfinite(x).all()) for x in a)}
 
 
+def _interleaved(bench: StepBench, mode: str, settings: dict[str, dict], rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, tuple[torch.Tensor, ...]]]:
+    """Step times of `mode` under each named setting of the GEMV options (over those in force), in `rounds`
+    rounds whose order reverses every other round, and each setting's logits from its first round. The
+    options in force are restored."""
+    base = dict(OPTIONS)
+    names = list(settings)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    first: dict[str, tuple[torch.Tensor, ...]] = {}
+    try:
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                OPTIONS.update(base | settings[name])
+                ms, logits = bench.step(mode)
+                times[name].append(ms)
+                first.setdefault(name, logits)
+    finally:
+        OPTIONS.update(base)
+    return times, first
+
+
 def ab_in_step(args: argparse.Namespace) -> dict:
     """Each `--ab` setting of the GEMV options, in interleaved rounds (order reversed every other round)."""
-    settings = parse_settings(args.ab)
+    settings = {_label(s): s for s in parse_settings(args.ab)}
     bench = StepBench(args.pdl)
-    base = dict(OPTIONS)
     out: dict = {"context_len": bench.context_len, "pdl": args.pdl, "rounds": args.rounds, "modes": []}
     for mode in args.modes.split(","):
-        times: dict[str, list[float]] = {_label(s): [] for s in settings}
-        checks: dict[str, dict] = {}
-        ref = None
-        for r in range(args.rounds):
-            for setting in settings if r % 2 == 0 else settings[::-1]:
-                OPTIONS.update(base | setting)
-                ms, logits = bench.step(mode)
-                times[_label(setting)].append(ms)
-                if ref is None:
-                    ref = logits
-                checks.setdefault(_label(setting), _drift(logits, ref))
-        OPTIONS.update(base)
-        rows = [{"setting": label, "median_ms": round(statistics.median(t), 4), "round_ms": t, **checks[label]}
-                for label, t in times.items()]
+        times, first = _interleaved(bench, mode, settings, args.rounds)
+        ref = first[next(iter(settings))]
+        rows = [{"setting": label, "median_ms": round(statistics.median(t), 4), "round_ms": t,
+                 **_drift(first[label], ref)} for label, t in times.items()]
         for row in rows:
-            log(f"{mode} {row['setting']}: {row['median_ms']:.3f} ms {row['round_ms']} drift {checks[row['setting']]}")
+            log(f"{mode}: {row}")
         out["modes"].append({"mode": mode, "settings": rows})
     return out
 
@@ -251,21 +247,13 @@ def tune_in_step(args: argparse.Namespace) -> dict:
         entry = {"mode": name, "start_step_ms": start_ms, "best_step_ms": best_ms, "final_table_step_ms": end_ms,
                  "table": {str(k): list(table[k]) for k in keys}, "trials": trials}
         if args.baseline:
-            tuned = dict(OPTIONS)
-            base = tuned | parse_settings(args.baseline)[0]
-            rounds: dict[str, list[float]] = {"tuned": [], "baseline": []}
-            for r in range(args.rounds):
-                for label, options in ((("tuned", tuned), ("baseline", base)) if r % 2 == 0
-                                       else (("baseline", base), ("tuned", tuned))):
-                    OPTIONS.update(options)
-                    ms, logits = bench.step(name)
-                    rounds[label].append(ms)
-                    if label == "baseline" and r == 0:
-                        entry["baseline_vs_tuned"] = _drift(logits, end_logits)
-            OPTIONS.update(tuned)
-            entry.update(baseline=_label(base), baseline_median_ms=round(statistics.median(rounds["baseline"]), 4),
-                         tuned_median_ms=round(statistics.median(rounds["tuned"]), 4), rounds_ms=rounds)
-            log(f"{name}: tuned {entry['tuned_median_ms']:.3f} ms vs baseline {_label(base)} "
+            baseline = parse_settings(args.baseline)[0]
+            rounds, first = _interleaved(bench, name, {"tuned": {}, "baseline": baseline}, args.rounds)
+            entry.update(baseline=_label(OPTIONS | baseline),
+                         baseline_median_ms=round(statistics.median(rounds["baseline"]), 4),
+                         tuned_median_ms=round(statistics.median(rounds["tuned"]), 4), rounds_ms=rounds,
+                         baseline_vs_tuned=_drift(first["baseline"], end_logits))
+            log(f"{name}: tuned {entry['tuned_median_ms']:.3f} ms vs baseline {entry['baseline']} "
                 f"{entry['baseline_median_ms']:.3f} ms; {entry['baseline_vs_tuned']}")
         out["modes"].append(entry)
         log(f"{name}: first {start_ms:.3f} -> tuned {end_ms:.3f} ms")
