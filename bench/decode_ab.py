@@ -5,8 +5,8 @@
         --variant "bf16/1/one_row=mixed2,pdl=wait,parallel_tails=1" --out bench/results/decode-ab.json
 
 A variant is `weights/batch/options`: weights "bf16" or "fp8" (every matrix, as `with_fp8(..., "all")`),
-the decode batch, and `FastForward` keyword options (ints and "1"/"0" booleans converted), or `gemv_fold`
-(runtime/kernels/gemv.py OPTIONS["fold"] while that variant's graph is captured). Each variant gets
+the decode batch, and `FastForward` keyword options (ints and "1"/"0" booleans converted), or kernel options
+set while that variant's graph is captured (`gemv_fold`: runtime/kernels/gemv.py OPTIONS["fold"]). Each variant gets
 its own graph over the same KV cache (512-token contexts) and inputs. Before timing, its logits are compared
 with the first variant of the same weights and batch (launch options must leave them bit-identical;
 another one-row mode rounds differently: max abs difference and top-1 agreement are reported). Timings:
@@ -42,8 +42,9 @@ from runtime.kernels import gemv as gemv_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows",)
-BOOL_OPTIONS = ("parallel_tails",)
-GEMV_OPTIONS = ("gemv_fold",)  # runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table") while capturing
+BOOL_OPTIONS = ("parallel_tails", "fused_rope")
+# kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table")
+KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold")}
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -56,7 +57,7 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
-        options[key] = (int(value) if key in INT_OPTIONS or (key in GEMV_OPTIONS and value.isdigit())
+        options[key] = (int(value) if key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit())
                         else value == "1" if key in BOOL_OPTIONS else value)
     return parts[0], int(parts[1]), options
 
@@ -83,16 +84,18 @@ def main(argv: list[str]) -> dict:
 
     runners, logits, rows = [], [], []
     for text, (w, b, options) in zip(args.variant, specs, strict=True):
-        gemv_options = {k.removeprefix("gemv_"): v for k, v in options.items() if k in GEMV_OPTIONS}
-        before = dict(gemv_mod.OPTIONS)
-        gemv_mod.OPTIONS.update(gemv_options)
+        kernel_options = [(KERNEL_OPTIONS[k], v) for k, v in options.items() if k in KERNEL_OPTIONS]
+        before = [(table, key, table[key]) for (table, key), _ in kernel_options]
+        for (table, key), value in kernel_options:
+            table[key] = value
         try:
             runner = DecodeGraphRunner(
-                FastForward(weights[w], ops, **{k: v for k, v in options.items() if k not in GEMV_OPTIONS}), cache,
-                max_model_len=ctx + 64, buckets=[b])
+                FastForward(weights[w], ops, **{k: v for k, v in options.items() if k not in KERNEL_OPTIONS}),
+                cache, max_model_len=ctx + 64, buckets=[b])
             runner.capture()
         finally:
-            gemv_mod.OPTIONS.update(before)
+            for table, key, value in before:
+                table[key] = value
         out = tuple(t.clone() for t in runner.run(*inputs[b]))
         assert all(o.shape[0] == b and bool(torch.isfinite(o).all()) for o in out), text
         base = next(i for i, s in enumerate(specs) if s[:2] == (w, b))

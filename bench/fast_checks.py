@@ -6,11 +6,12 @@ before anything is timed.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from runtime.fast_ops import TorchOps, TritonOps, rope_tables
+from runtime.fast_ops import TorchOps, TritonOps, rope_tables, rope_then_attend
 from runtime.fp8 import linear, quantize_weight
 
 
@@ -32,7 +33,8 @@ def _cache(blocks: int, block_size: int, kv: int, dim: int, device: torch.device
 
 # op name of the fast path each check covers (a failed check switches that op to its fallback)
 CHECK_OPS = {"add_rmsnorm": "add_rmsnorm", "qk_norm_rope_store": "qk_norm_rope_store", "silu_mul": "silu_mul",
-             "decode_attention": "decode_attention", "prefill_attention": "prefill_attention",
+             "decode_attention_rope": "decode_attention_rope", "decode_attention": "decode_attention",
+             "prefill_attention": "prefill_attention",
              "fp8_triton": "fp8_gemv", "gemv": "one_row_gemv"}
 
 
@@ -44,8 +46,8 @@ def failed_ops(checks: list[dict]) -> set[str]:
 def run_kernel_checks(device: torch.device, **shape: int) -> list[dict]:
     """Every check, each guarded: an exception becomes a failed entry with its message."""
     out: list[dict] = []
-    for check in (_check_norms, _check_qk_rope, _check_silu, _check_decode, _check_prefill, _check_fp8,
-                  _check_gemv):
+    for check in (_check_norms, _check_qk_rope, _check_silu, _check_decode, _check_decode_rope, _check_prefill,
+                  _check_fp8, _check_gemv):
         try:
             out.extend(check(device, **shape))
         except Exception as exc:  # noqa: BLE001 - reported, and the op falls back to PyTorch
@@ -58,6 +60,8 @@ def run_kernel_checks(device: torch.device, **shape: int) -> list[dict]:
             c["kernel"] = "qk_norm_rope_store"
         elif c["kernel"] in ("decode", "prefill"):
             c["kernel"] += "_attention"
+        elif c["kernel"] == "decode_rope":
+            c["kernel"] = "decode_attention_rope"
         elif c["kernel"] == "fp8":
             c["kernel"] = "fp8_triton"
         elif c["kernel"] == "silu":
@@ -137,6 +141,42 @@ def _check_decode(device: torch.device, heads: int = 32, kv: int = 8, dim: int =
     for parts in (1, 4):
         d = _diff(fast.decode_attention(q, kc, vc, tables, seq_lens, parts), want)
         out.append({"kernel": f"decode_attention(parts={parts})", **d, "ok": d["rel_l2"] < 2e-2 and d["finite"]})
+
+    return out
+
+
+def _check_decode_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
+    """The fused q/k norm + RoPE + K/V store + attention against the two Triton kernels it replaces and
+    against the PyTorch ops; contexts of 1 to 600 keys, one padding row (slot -1), 1 and 4 key partitions.
+    Against the two kernels the math and its roundings are the same; only the order of the float32 sum in
+    each head's RMSNorm may differ (another tile shape), so results agree to a last bf16 bit at most (on
+    the H200 they were identical)."""
+    ref, fast, gen, randn = _setup(device)
+    out: list[dict] = []
+    blocks, block_size = 200, 16
+    seq_lens_list = [1, 37, 600, 257, 64]
+    n, width = len(seq_lens_list), math.ceil(max(seq_lens_list) / block_size)
+    tables = torch.randperm(blocks, device=device, generator=gen)[: n * width].view(n, width).to(torch.int32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    pos = seq_lens.long() - 1
+    slots = (tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size)
+    slots[4] = -1  # a padding row of a graph bucket: its K/V are not stored
+    qkv = randn(n, (heads + 2 * kv) * dim)
+    qn, kn = randn(dim, scale=0.2) + 1, randn(dim, scale=0.2) + 1
+    cos, sin = rope_tables(4096, dim, 1e6, torch.bfloat16, device)
+    kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
+    for parts in (1, 4):
+        caches = {name: (kc.clone(), vc.clone()) for name in ("fused", "triton", "torch")}
+        got = {name: fn(qkv, qn, kn, cos, sin, pos, slots, *caches[name], tables, seq_lens, parts, heads, 1e-6)
+               for name, fn in (("fused", fast.decode_attention_rope),
+                                ("triton", functools.partial(rope_then_attend, fast)),
+                                ("torch", ref.decode_attention_rope))}
+        vs_triton, vs_torch = _diff(got["fused"], got["triton"]), _diff(got["fused"], got["torch"])
+        k_vs, v_vs = (_diff(caches["fused"][i], caches["triton"][i]) for i in (0, 1))
+        out.append({"kernel": f"decode_attention_rope(parts={parts})", "vs_unfused_triton": vs_triton,
+                    "vs_torch": vs_torch, "k_cache_vs_unfused": k_vs, "v_cache_vs_unfused": v_vs,
+                    "ok": vs_triton["rel_l2"] < 1e-3 and k_vs["rel_l2"] < 1e-3 and v_vs["max_abs_diff"] == 0.0
+                    and vs_torch["rel_l2"] < 2e-2 and vs_torch["finite"]})
 
     return out
 

@@ -71,6 +71,7 @@ class FastForward:
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
         one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 64, parallel_tails: bool | None = None,
+        fused_rope: bool = True,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
@@ -90,7 +91,16 @@ class FastForward:
         joins them before it returns. Measured on the H200 (4 runs): one-stream steps 3-4% faster, 64-128
         streams 0-2%. Prefill steps stay on one stream: they are compute-bound (512 rows: -0.8% to +2.6%
         over 3 runs), and the second stream's activations in the prefill graphs cost 0.5 GiB of the 24 GB
-        profile's memory (bench/profile_24gb.py, docs/gpu.md)."""
+        profile's memory (bench/profile_24gb.py, docs/gpu.md).
+        `fused_rope`: decode steps whose attention does not split keys (no key partitions: batch x KV heads
+        >= 128, i.e. 16+ streams here) run the q/k norm, RoPE and K/V store inside the attention kernel
+        (`decode_attention_rope`, one launch per layer fewer); off, or with key partitions: the two ops one
+        after the other. Same math and roundings; only the float32 sum in each head's norm may run in
+        another order, so a last bit of q or k can differ (bench/fast_checks.py). Measured on the H200
+        (bench/results/decode-rope-h200/, two runs): 128 streams 8.98 -> 8.89 and 8.98 -> 8.73 ms, 64 streams
+        6.70 -> 6.68 and 6.71 -> 6.65; at one stream, where each of 16 key partitions repeats the query's
+        rotation and the one holding the new key waits for its store, 4.51 -> 4.62 / 4.69 ms (bf16) and
+        2.73 -> 2.84 / 2.86 ms (FP8), hence the rule."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -107,6 +117,7 @@ class FastForward:
         self.one_row = one_row if isinstance(self.ops, TritonOps) and gemv_fits else "cublas"
         self.pdl = resolve_pdl(pdl, device, isinstance(self.ops, TritonOps))
         self.pdl_max_rows = pdl_max_rows
+        self.fused_rope = fused_rope
         on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
@@ -136,17 +147,7 @@ class FastForward:
             return self._layer_one_row(layer, x, residual, step, kv_cache)
         h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
         qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
-        k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
-        q = ops.qk_norm_rope_store(
-            qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
-            k_cache, v_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps,
-        )  # [N, H, D]
-        if step.max_query_len == 1:
-            attn = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
-        else:
-            attn = ops.prefill_attention(
-                q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, step.max_query_len
-            )
+        attn = self._attention(layer, qkv, step, kv_cache)  # [N, H, D]
         o = self._linear(attn.reshape(n, cfg.num_attention_heads * cfg.head_dim), layer.o)  # [N, hidden]
         h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, cfg.rms_norm_eps)
         down = self._linear(ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)  # [N, hidden]
@@ -166,12 +167,7 @@ class FastForward:
             qkv = self._linear(h, layer.qkv)
         else:
             qkv, residual = _gemv(x, layer.qkv, RMSNORM, residual, layer.input_norm, eps)  # [1, (H+2KV)*D]
-        k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]
-        q = ops.qk_norm_rope_store(
-            qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping,
-            k_cache, v_cache, cfg.num_attention_heads, cfg.num_key_value_heads, eps,
-        )  # [1, H, D]
-        attn = ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
+        attn = self._attention(layer, qkv, step, kv_cache)  # [1, H, D]
         o, _ = _gemv(attn.reshape(1, -1), layer.o, NONE)  # [1, hidden]
         if self.one_row in ("mixed", "mixed2"):
             h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, eps)
@@ -181,6 +177,23 @@ class FastForward:
         down, _ = _gemv(gate_up, layer.down, SILU_MUL)  # [1, hidden]
         assert residual is not None
         return down, residual
+
+    def _attention(
+        self, layer: LayerWeights, qkv: torch.Tensor, step: StepInputs, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """qkv [N, (H + 2KV) * D] -> attention output [N, H, D]; the rows' K/V stored in the layer's cache."""
+        cfg, ops = self.config, self.ops
+        k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
+        rope = (layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping)
+        if step.max_query_len == 1 and self.fused_rope and step.num_parts == 1:
+            return ops.decode_attention_rope(qkv, *rope, k_cache, v_cache, step.block_tables, step.seq_lens,
+                                             step.num_parts, cfg.num_attention_heads, cfg.rms_norm_eps)
+        q = ops.qk_norm_rope_store(qkv, *rope, k_cache, v_cache, cfg.num_attention_heads,
+                                   cfg.num_key_value_heads, cfg.rms_norm_eps)  # [N, H, D]
+        if step.max_query_len == 1:
+            return ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
+        return ops.prefill_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start,
+                                     step.max_query_len)
 
     def _tail(
         self, layers: tuple[LayerWeights, ...], x: torch.Tensor, residual: torch.Tensor | None,

@@ -7,7 +7,9 @@ built from them can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,12 @@ class TorchOps:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
         return out.squeeze(2)
 
+    @classmethod
+    def decode_attention_rope(cls, *args: object) -> torch.Tensor:
+        """`qk_norm_rope_store` then `decode_attention` (one op so that a backend may fuse them); arguments
+        as runtime.kernels.paged_attention.paged_decode_attention_rope -> [B, H, D]."""
+        return rope_then_attend(cls, *args)
+
     @staticmethod
     def prefill_attention(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -130,16 +138,32 @@ class TritonOps:
         self.qk_norm_rope_store = elementwise.qk_norm_rope_store
         self.silu_mul = elementwise.silu_mul
         self.prefill_attention = paged_attention.paged_prefill_attention
+        self.decode_attention_rope = paged_attention.paged_decode_attention_rope
         self.decode_num_parts = paged_attention.decode_num_parts
         self.fallback = sorted(fallback)
         for name in self.fallback:
             setattr(self, name, getattr(TorchOps, name))
+        if {"qk_norm_rope_store", "decode_attention", "decode_attention_rope"} & set(self.fallback):
+            # the fused op contains both: run this backend's two ops (each a kernel or its fallback)
+            self.decode_attention_rope = functools.partial(rope_then_attend, self)
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
         seq_lens: torch.Tensor, num_parts: int,
     ) -> torch.Tensor:
         return self._pa.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts=num_parts)
+
+
+def rope_then_attend(
+    ops: Any, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
+    sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """`decode_attention_rope` as two of `ops`'s ops: q/k norm + RoPE + K/V store, then decode attention."""
+    q = ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, k_cache,
+                               v_cache, num_heads, k_cache.shape[2], eps)
+    return ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts)
 
 
 def default_ops(device: torch.device | str) -> TorchOps | TritonOps:

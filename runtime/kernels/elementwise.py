@@ -63,6 +63,26 @@ def add_rmsnorm(
 
 
 @triton.jit
+def rms_rope(ptrs, partner_ptrs, mask, w, w_p, cos, sin, d, eps, HEAD_DIM: tl.constexpr):
+    """Per-head RMSNorm then rotate-half RoPE of a [rows, D] tile of heads, rounded where the plain layers
+    round. `ptrs` / `partner_ptrs` address each element and its rotation partner ((d + D/2) % D); w, w_p
+    [rows or 1, D] the norm weight at d and at the partner; cos, sin [1, D] of the row's position.
+    Returns (normed and rotated heads in the activation dtype, the raw heads as loaded)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    x_p = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
+    act_ty = x.dtype
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]  # [rows, 1]
+    y = (w.to(tl.float32) * (xf * rstd).to(act_ty).to(tl.float32)).to(act_ty)
+    y_p = (w_p.to(tl.float32) * (x_p * rstd).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
+    rot = tl.where((d < half)[None, :], -y_p, y_p)  # rotate_half(y)
+    a = (y.to(tl.float32) * cos.to(tl.float32)).to(act_ty).to(tl.float32)
+    b = (rot * sin.to(tl.float32)).to(act_ty).to(tl.float32)
+    return (a + b).to(act_ty), x
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
@@ -80,22 +100,12 @@ def _qk_norm_rope_store_kernel(
     is_v = (h >= NUM_HEADS + NUM_KV) & (h < NUM_HEADS + 2 * NUM_KV)
     valid = (h < NUM_HEADS + 2 * NUM_KV)[:, None]
     row_ptr = qkv_ptr + row * ((NUM_HEADS + 2 * NUM_KV) * HEAD_DIM) + h[:, None] * HEAD_DIM
-    x = tl.load(row_ptr + d[None, :], mask=valid, other=0.0)  # [HP, D]
-    x_p = tl.load(row_ptr + partner[None, :], mask=valid, other=0.0).to(tl.float32)
-    act_ty = x.dtype
-    w = tl.where(is_q[:, None], tl.load(qw_ptr + d)[None, :], tl.load(kw_ptr + d)[None, :]).to(tl.float32)
+    w = tl.where(is_q[:, None], tl.load(qw_ptr + d)[None, :], tl.load(kw_ptr + d)[None, :])
     w_p = tl.where(is_q[:, None], tl.load(qw_ptr + partner)[None, :], tl.load(kw_ptr + partner)[None, :])
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]  # [HP, 1]
-    y = (w * (xf * rstd).to(act_ty).to(tl.float32)).to(act_ty)
-    y_p = (w_p.to(tl.float32) * (x_p * rstd).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
-    rot = tl.where((d < half)[None, :], -y_p, y_p)  # rotate_half(y)
     pos = tl.load(pos_ptr + row)
-    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)[None, :]
-    a = (y.to(tl.float32) * cos).to(act_ty).to(tl.float32)
-    b = (rot * sin).to(act_ty).to(tl.float32)
-    out = (a + b).to(act_ty)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d)[None, :]
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d)[None, :]
+    out, x = rms_rope(row_ptr + d[None, :], row_ptr + partner[None, :], valid, w, w_p, cos, sin, d, eps, HEAD_DIM)
     tl.store(q_out_ptr + row * (NUM_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :], out,
              mask=is_q[:, None])
     slot = tl.load(slot_ptr + row)

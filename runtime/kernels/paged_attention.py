@@ -4,6 +4,9 @@
   partition) and all GQA query heads of that KV head (padded to 16 rows for the tensor cores); keys are
   addressed through the block table token by token. With several partitions (small batches, where
   sequences x KV heads would leave most SMs idle) a second kernel merges the partial softmaxes.
+- `paged_decode_attention_rope`: the same kernel reading the QKV projection instead of q: it applies the
+  q/k RMSNorm and RoPE itself and stores the new row's K/V (one launch per layer fewer than
+  `qk_norm_rope_store` + `paged_decode_attention`).
 - `paged_prefill_attention`: flash-style causal attention of each sequence's new rows over its earlier
   pages and itself (chunked prefill included): program = (query tile, sequence, query head).
 Cache layout per layer: [num_blocks, block_size, KV, D]; slot = block_id * block_size + offset.
@@ -16,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.elementwise import rms_rope
 from runtime.kernels.launch import pdl_args, pdl_enter
 
 
@@ -27,9 +31,10 @@ def _dot_precision(q: torch.Tensor) -> str:
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, seq_lens_ptr, scale, max_blocks,
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
-    DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -40,13 +45,42 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     gmask = g < GROUP
     heads = kvh * GROUP + g  # [GP]
-    q = tl.load(q_ptr + seq * (NUM_KV * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
-                mask=gmask[:, None], other=0.0)  # [GP, D]
+    start = part * PART
+    end = tl.minimum(seq_len, start + PART)
+    if FUSE_ROPE:
+        # q/k RMSNorm + RoPE from the QKV projection's row (as `qk_norm_rope_store`): every partition
+        # rotates its own query heads; the one holding the new key (position seq_len - 1) also stores the
+        # row's K/V for this KV head, waits for its stores, and reads them back through the cache like any
+        # other key. (Scoring the new key from registers instead, without the wait, was slower on the H200.)
+        num_heads: tl.constexpr = NUM_KV * GROUP
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        row_ptr = qkv_ptr + seq * ((num_heads + 2 * NUM_KV) * HEAD_DIM)
+        pos = tl.load(pos_ptr + seq)
+        cos = tl.load(cos_ptr + pos * HEAD_DIM + d)[None, :]
+        sin = tl.load(sin_ptr + pos * HEAD_DIM + d)[None, :]
+        q_rows = row_ptr + heads[:, None] * HEAD_DIM
+        q, _q_raw = rms_rope(q_rows + d[None, :], q_rows + partner[None, :], gmask[:, None],
+                             tl.load(qw_ptr + d)[None, :], tl.load(qw_ptr + partner)[None, :], cos, sin, d, eps,
+                             HEAD_DIM)  # [GP, D]
+        if (seq_len - 1 >= start) & (seq_len - 1 < start + PART):
+            slot = tl.load(slot_ptr + seq)
+            if slot >= 0:
+                k_row = row_ptr + (num_heads + kvh) * HEAD_DIM
+                k_new, _k_raw = rms_rope(
+                    (k_row + d)[None, :], (k_row + partner)[None, :], d[None, :] < HEAD_DIM,
+                    tl.load(kw_ptr + d)[None, :], tl.load(kw_ptr + partner)[None, :], cos, sin, d, eps, HEAD_DIM,
+                )  # [1, D]
+                v_new = tl.load(row_ptr + (num_heads + NUM_KV + kvh) * HEAD_DIM + d)
+                new_off = slot * (NUM_KV * HEAD_DIM) + kvh * HEAD_DIM + d
+                tl.store(k_ptr + new_off[None, :], k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_ptr + new_off, v_new.to(v_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the loop reads them back, stored by other threads of this program
+    else:
+        q = tl.load(q_ptr + seq * (NUM_KV * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=gmask[:, None], other=0.0)  # [GP, D]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    start = part * PART
-    end = tl.minimum(seq_len, start + PART)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -128,24 +162,52 @@ def paged_decode_attention(
     The keys a block table can address are split into `num_parts` equal partitions (see
     `decode_num_parts`); with more than one, a second kernel merges the partial softmaxes.
     """
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv, _ = k_cache.shape
+    return _decode(q, None, q.shape[1], k_cache, v_cache, block_tables, seq_lens, num_parts, block_n=block_n,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+def paged_decode_attention_rope(
+    qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
+    sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """`qk_norm_rope_store` and `paged_decode_attention` in one kernel: qkv [B, (H + 2KV) * D] (the QKV
+    projection of one new row per sequence, at positions [B] = seq_lens - 1) -> attention output [B, H, D];
+    the rows' K/V are stored at slot_mapping [B] (slot < 0: not stored) as `qk_norm_rope_store` stores them."""
+    assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    rope = (qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, float(eps))
+    return _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts)
+
+
+def _decode(
+    q: torch.Tensor | None, rope: tuple | None, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int = BLOCK_N_DECODE,
+    num_warps: int = 4, num_stages: int | None = None,
+) -> torch.Tensor:
+    """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
+    src = q if q is not None else rope[0]
+    batch = src.shape[0]
+    _, block_size, num_kv, head_dim = k_cache.shape
     group = num_heads // num_kv
-    out = torch.empty_like(q)
+    out = torch.empty(batch, num_heads, head_dim, device=src.device, dtype=src.dtype)
     scale = 1.0 / math.sqrt(head_dim)
     part = _part_len(block_tables.shape[1] * block_size, num_parts, block_n)
     if num_stages is None:  # measured (bench/fast_tools.py sweep): 3 stages help split keys at 1 sequence
         num_stages = 3 if num_parts > 1 else 2
     if num_parts > 1:
-        part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=q.device, dtype=torch.float32)
-        part_ml = torch.empty(batch * num_heads * num_parts, 2, device=q.device, dtype=torch.float32)
+        part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=src.device, dtype=torch.float32)
+        part_ml = torch.empty(batch * num_heads * num_parts, 2, device=src.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out
+    # without `rope` its pointers are unused: any tensor stands in
+    qkv, q_norm, k_norm, cos, sin, positions, slots, eps = rope if rope is not None else (src,) * 7 + (0.0,)
     _decode_kernel[(batch, num_kv, num_parts)](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
+        src, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
+        qkv, q_norm, k_norm, cos, sin, positions, slots, eps,
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(q),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
+        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )
     if num_parts > 1:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,

@@ -50,6 +50,9 @@ LIN_SIG = _ptrs("x_ptr w_ptr b_ptr g_ptr beta_ptr r_ptr y_ptr") | {"M": "i32", "
 CONV_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr g_ptr beta_ptr add_ptr") | {
     "valid_ptr": "*i32", "y_ptr": "*bf16", "upd_ptr": "*bf16", "CI": "i32", "CO": "i32", "T": "i32",
     "add_stride": "i32", "eps": "fp32"}
+DECODE_SIG = _ptrs("q_ptr k_ptr v_ptr out_ptr qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr") | _ptrs(
+    "part_acc_ptr part_ml_ptr", "*fp32") | {"tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32",
+                                            "max_blocks": "i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"}
 SNAKE_SIG = _ptrs("x_ptr y_ptr alpha_ptr beta_ptr") | {"hu_ptr": "*fp32", "hd_ptr": "*fp32", "C": "i32", "T": "i32"}
 
 # (name, kernel, signature, constexprs without USE_PDL): the shapes and flags the launch sites use
@@ -68,11 +71,10 @@ CASES = [
      | {"pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"},
      {"NUM_HEADS": 32, "NUM_KV": 8, "HEAD_DIM": 128, "HEADS_BLOCK": 1}),
     ("silu_mul", elementwise._silu_mul_kernel, _ptrs("gu_ptr out_ptr") | {"inter": "i32"}, {"BLOCK": 1024}),
-    ("decode_attention", paged_attention._decode_kernel, _ptrs("q_ptr k_ptr v_ptr out_ptr")
-     | _ptrs("part_acc_ptr part_ml_ptr", "*fp32") | {"tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32",
-                                                     "max_blocks": "i32"},
-     {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 64,
-      "NUM_PARTS": 16, "DOT_PREC": "tf32"}),
+    *[(name, paged_attention._decode_kernel, DECODE_SIG,
+       {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 64,
+        "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": fuse})
+      for name, fuse in (("decode_attention", False), ("decode_attention_rope", True))],
     ("decode_merge", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
      | {"out_ptr": "*bf16"}, {"NUM_PARTS": 16, "HEAD_DIM": 128}),
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",

@@ -258,3 +258,81 @@ def test_launch_options_are_validated_and_inert_off_cuda(model: MossSpeechForCau
     assert text.shape == (1, CONFIG.vocab_size) and audio.shape == (1, CONFIG.audio_vocab_size)
     torch.testing.assert_close(text, want_text, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(audio, want_audio, rtol=1e-4, atol=1e-4)
+
+
+class _CountingOps(TorchOps):
+    """TorchOps that counts which attention ops a step calls."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def decode_attention_rope(self, *args: object) -> torch.Tensor:  # type: ignore[override]
+        self._count("decode_attention_rope")
+        return TorchOps.decode_attention_rope(*args)
+
+    def qk_norm_rope_store(self, *args: object) -> torch.Tensor:  # type: ignore[override]
+        self._count("qk_norm_rope_store")
+        return TorchOps.qk_norm_rope_store(*args)
+
+
+@pytest.mark.parametrize(("fused_rope", "num_parts", "fused"), [(True, 1, True), (True, 4, False), (False, 1, False)])
+def test_decode_steps_fuse_rope_into_attention_only_without_key_partitions(
+    model: MossSpeechForCausalLM, fused_rope: bool, num_parts: int, fused: bool,
+) -> None:
+    """A prefill step, then a decode step: the decode step runs one fused op per layer (2 shared layers and
+    2 per tail: 6) when it splits no keys; otherwise, and in the prefill, the rotation and the attention run
+    as two ops. Same logits and cache either way."""
+    a, b = make_rows(9, 3), make_rows(5, 4)
+    results = []
+    for ops in (TorchOps(), _CountingOps()):
+        cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
+        fast = FastForward(fuse_model_weights(model), ops, fused_rope=fused_rope)
+        for work in ([(a[:8], 8, [1, 2, 3]), (b[:4], 4, [4, 5])], [(a, 1, [1, 2, 3]), (b, 1, [4, 5])]):
+            tokens, is_audio, positions, attn = _plain_step(model, cache, work)
+            parts = num_parts if max(attn.query_lens) == 1 else 1
+            out = fast(StepInputs.from_metadata(tokens, is_audio, positions, attn, num_parts=parts), cache)
+        results.append((out, cache.k, cache.v))
+    layers = CONFIG.num_shared_layers + 2 * CONFIG.num_modality_layers
+    assert layers == 6
+    want = {"decode_attention_rope": layers, "qk_norm_rope_store": layers} if fused else {
+        "qk_norm_rope_store": 2 * layers}
+    assert ops.calls == want
+    for x, y in zip(results[0][0] + results[0][1:], results[1][0] + results[1][1:], strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+def test_triton_ops_fall_back_to_two_ops_for_the_fused_decode_attention() -> None:
+    """A fused decode op whose parts fall back runs as this backend's two ops: with both on PyTorch, the same
+    numbers as TorchOps (on CPU)."""
+    pytest.importorskip("triton")
+    from runtime.fast_ops import TritonOps, rope_then_attend
+    from runtime.kernels.paged_attention import paged_decode_attention_rope
+
+    assert TritonOps().decode_attention_rope is paged_decode_attention_rope
+    for fallback in (["decode_attention"], ["qk_norm_rope_store"], ["decode_attention_rope"]):
+        ops = TritonOps(fallback=fallback)
+        assert ops.decode_attention_rope.func is rope_then_attend and ops.decode_attention_rope.args == (ops,)
+    ops = TritonOps(fallback=["decode_attention", "qk_norm_rope_store"])
+    gen = torch.Generator().manual_seed(5)
+    heads, kv, dim, bs = 4, 2, 8, 4
+    qkv = torch.randn(2, (heads + 2 * kv) * dim, generator=gen)
+    qn, kn = torch.rand(dim, generator=gen) + 0.5, torch.rand(dim, generator=gen) + 0.5
+    from runtime.fast_ops import rope_tables
+
+    cos, sin = rope_tables(64, dim, 1e4, torch.float32, "cpu")
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 3], dtype=torch.int32)
+    pos = seq_lens.long() - 1
+    slots = torch.tensor([1 * bs + 0, 3 * bs + 2])
+    outs = []
+    for backend in (ops, TorchOps()):
+        cache_gen = torch.Generator().manual_seed(6)
+        kc, vc = (torch.randn(6, bs, kv, dim, generator=cache_gen) for _ in range(2))
+        o = backend.decode_attention_rope(qkv, qn, kn, cos, sin, pos, slots, kc, vc, tables, seq_lens, 1, heads, 1e-6)
+        outs.append((o, kc, vc))
+    assert outs[0][0].shape == (2, heads, dim) and bool(torch.isfinite(outs[0][0]).all())
+    for x, y in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
