@@ -1,6 +1,7 @@
 """Launch shapes of the fused anti-aliased activation kernel on one GPU, against a copy of the same tensor.
 
     python bench/aa_snake_tune.py --out bench/results/aa-snake-tune-h200.json
+    python bench/aa_snake_tune.py --layout nwc --out bench/results/aa-snake-nwc-tune-h200.json
 
 Shapes are BigVGAN `full` activations of a 64-stream steady step (134-frame windows): stage 1 (768
 channels, 670 steps) to stage 6 (24 channels, 64320 steps), bf16. Each launch shape is first checked
@@ -25,7 +26,7 @@ from bigvgan.activations import SnakeBeta
 from bigvgan.alias_free_activation.torch.act import Activation1d
 
 from bench.engine import time_fn
-from vocoder.kernels.aa_snake import aa_snake
+from vocoder.kernels.aa_snake import _aa_snake_nwc, aa_snake, nwc_launch
 
 
 def time_ms(fn: Callable[[], object]) -> float:
@@ -36,8 +37,13 @@ def time_ms(fn: Callable[[], object]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--layout", choices=("ncw", "nwc"), default="ncw",
+                    help="nwc: the channels-last kernels on time-major tensors ((rows, channel block, warps))")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.layout == "nwc":
+        tune_nwc(args)
+        return
     rows = []
     for channels, length in [(768, 670), (384, 2680), (192, 8040), (24, 64320)]:
         torch.manual_seed(0)
@@ -79,6 +85,46 @@ def main() -> None:
     result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def tune_nwc(args: argparse.Namespace) -> None:
+    """The channels-last kernels (vocoder/kernels/aa_snake.py `_aa_snake_nwc`) on the same activations stored
+    time-major: the direct kernel and the gathering one under each (rows, channel block, warps)."""
+    rows = []
+    for channels, length in [(768, 670), (384, 2680), (192, 8040), (96, 16080), (48, 32160), (24, 64320)]:
+        torch.manual_seed(0)
+        act = Activation1d(SnakeBeta(channels, alpha_logscale=True)).cuda()
+        with torch.no_grad():
+            for p in act.act.parameters():
+                p.normal_(0, 0.5)
+        x = torch.randn(args.batch, length, channels, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        with torch.no_grad():
+            ref = act(x.float())
+        filters = tuple(f.reshape(-1).float().contiguous() for f in (act.upsample.filter,
+                                                                     act.downsample.lowpass.filter))
+        flags = {"LOG_SCALE": True, "HAS_BETA": True}
+        row = {"channels": channels, "length": length, "copy_ms": round(time_ms(x.clone), 4),
+               "default_launch": nwc_launch(channels), "launches": []}
+        candidates = [(False, None)] + [(True, (r, bc, w)) for r in (16, 32, 64) for bc in (16, 32, 64, 128)
+                                        for w in (1, 2, 4, 8) if r * bc // (32 * w) >= 4]
+        for gather, launch in candidates:
+            run = functools.partial(_aa_snake_nwc, x, (act.act.alpha, act.act.beta), filters, flags,
+                                    gather=gather, launch=launch)
+            try:
+                err = float((run().float() - ref).abs().max())
+                ms = time_ms(run)
+            except Exception as exc:  # noqa: BLE001 - a launch shape that does not compile is reported
+                row["launches"].append({"gather": gather, "launch": launch, "error": str(exc)[:200]})
+                continue
+            row["launches"].append({"gather": gather, "launch": launch, "ms": round(ms, 4), "max_abs": err})
+        row["best"] = min((r for r in row["launches"] if "ms" in r), key=lambda r: r["ms"])
+        row["default_ms"] = next(r["ms"] for r in row["launches"] if r.get("launch") == row["default_launch"]
+                                 and "ms" in r)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
+        result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows}
+        if args.out:  # after every shape: a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

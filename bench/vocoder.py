@@ -85,11 +85,11 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
 
 def copy_vocoder(
     base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True,
-    pdl: str = "auto",
+    pdl: str = "auto", channels_last: bool | None = None,
 ) -> StreamingVocoder:
     """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels;
     flow_fusion False keeps only the activation and chunk attention kernels (the estimator's norms,
-    linears and Mish in PyTorch)."""
+    linears and Mish in PyTorch); channels_last as StreamingVocoder's."""
     voc = StreamingVocoder(
         base.config,
         copy.deepcopy(base.flow),
@@ -99,6 +99,7 @@ def copy_vocoder(
         dtype=dtype,
         triton_kernels=triton_kernels,
         pdl=pdl,
+        channels_last=channels_last,
     )
     if not flow_fusion:
         for module in voc.flow.estimator.modules():

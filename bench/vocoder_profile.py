@@ -3,9 +3,10 @@
     python bench/vocoder_profile.py --preset full --device cuda --out bench/results/vocoder-profile-h200.json
 
 For each variant ("package": BigVGAN activations of the `bigvgan` package and SDPA in the estimator;
-"fused": the Triton kernels of vocoder/kernels/; "partial": only the activation and chunk attention kernels,
-as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by default, CUDA
-graphs on) it times with synchronised wall clocks:
+"fused": the Triton kernels of vocoder/kernels/ and BigVGAN's data channels-last (the default on CUDA);
+"fusedncw": the same with BigVGAN's data channels-first, as before; "partial": only the activation and chunk
+attention kernels, as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by
+default, CUDA graphs on; `--variants` picks them) it times with synchronised wall clocks:
 - the first chunk of one stream (open, then the 5-code push), split into encoder, flow solve, BigVGAN and
   the rest (host work: windows, crossfade, copies);
 - steady steps of B streams pushing 25 codes each, same split.
@@ -93,6 +94,11 @@ def check_activation(device: str) -> dict[str, float]:
                 with torch.no_grad():
                     ref = ref_mod.float()(x.float())
                     got = {"gather": fused(x).float()}
+                    if device.startswith("cuda") and channels > 1:  # the channels-last kernel
+                        x_nwc = x.transpose(1, 2).contiguous().transpose(1, 2)
+                        y_nwc = fused(x_nwc)
+                        assert y_nwc.stride() == x_nwc.stride()
+                        got["nwc"] = y_nwc.float()
                     if device.startswith("cuda"):
                         from vocoder.kernels.aa_snake import aa_snake
 
@@ -341,6 +347,10 @@ def main() -> None:
     ap.add_argument("--profile-batches", default="1,64")
     ap.add_argument("--block-rows", default="8,40,80,160,320,640,1280,2560,5120,12800")
     ap.add_argument("--blocks-only", action="store_true", help="stop after the checks and block timings")
+    ap.add_argument("--variants", default="fused,partial",
+                    help="comma list of fused (channels-last BigVGAN), fusedncw (fused, BigVGAN channels-first), "
+                         "partial; the package's modules always run for the PCM check")
+    ap.add_argument("--skip-package", action="store_true", help="do not time or profile the package's modules")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = False
@@ -367,17 +377,26 @@ def main() -> None:
         args.preset, device=args.device, dtype=args.dtype, seed=0, triton_kernels=False
     )
     on_cuda = args.device.startswith("cuda")
-    fused = bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda)
-    partial = bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda, flow_fusion=False)
-    result["fused_activations"] = sum(isinstance(m, FusedActivation1d) for m in fused.generator.modules())
+    builders = {
+        "fused": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda),
+        "fusedncw": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
+                                                       channels_last=False),
+        "partial": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
+                                                      flow_fusion=False),
+        "package": lambda: base,
+    }
+    names = list(dict.fromkeys([*args.variants.split(","), "package"]))
+    variants = tuple((name, builders[name]()) for name in names)
+    fused = dict(variants).get("fused")
+    if fused is not None:
+        result["fused_activations"] = sum(isinstance(m, FusedActivation1d) for m in fused.generator.modules())
     codes = np.random.default_rng(0).integers(0, 16384, 40).tolist()
     pcm = {}
-    variants = (("fused", fused), ("partial", partial), ("package", base))
     for name, voc in variants:
         s = voc.open("default", seed=5)
         pcm[name] = np.concatenate([voc.push(s, codes[:17]), voc.push(s, codes[17:]), voc.finish(s)])
         assert len(pcm[name]) == 40 * SAMPLES_PER_CODE and np.isfinite(pcm[name]).all()
-    for name in ("fused", "partial"):
+    for name in [n for n in names if n != "package"]:
         result[f"pcm_{name}_vs_package"] = {
             "max_abs": float(np.abs(pcm[name] - pcm["package"]).max()),
             "pcm_std": float(pcm["package"].std()),
@@ -385,6 +404,8 @@ def main() -> None:
     save()
     batches = [int(b) for b in args.batches.split(",")]
     for name, voc in variants:
+        if name == "package" and args.skip_package:
+            continue
         voc.use_cuda_graphs()
         split = Split(voc)
         row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
@@ -394,7 +415,9 @@ def main() -> None:
             row[f"steady_{b}"] = steady(voc, split, b, args.steps)
             save()
     for name, voc in variants:
-        for b in (int(x) for x in args.profile_batches.split(",")):
+        if name == "package" and args.skip_package:
+            continue
+        for b in (int(x) for x in args.profile_batches.split(",") if x):
             result.setdefault("profile", {}).setdefault(name, {})[f"batch_{b}"] = profile_step(voc, b)
             save()
 

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vocoder.config import HOP_LENGTH, BigVGANConfig
@@ -94,6 +95,55 @@ def build_generator(
         if has_weight_norm:
             _quiet_remove_weight_norm(model)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, T] (or a conv weight [O, I, K]) with the same values, stored with dim 1 contiguous: strides
+    (T*C, 1, C). A no-op for a tensor already stored so."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+class ChannelsLastConv1d(nn.Conv1d):
+    """A Conv1d (same parameters) that runs as a conv2d over a [B, C, 1, T] view. On channels-last data
+    that view is NHWC, which cuDNN's Hopper kernels take as is; conv1d itself makes every 3-d input
+    contiguous (channels-first) before it reaches cuDNN, which then converts it back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]), (0, self.padding[0]),
+                     (1, self.dilation[0]), self.groups)
+        return y.squeeze(2)
+
+
+class ChannelsLastConvTranspose1d(nn.ConvTranspose1d):
+    """`ChannelsLastConv1d` for a ConvTranspose1d."""
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        assert output_size is None, "bigvgan does not pass output_size"
+        y = F.conv_transpose2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]),
+                               (0, self.padding[0]), (0, self.output_padding[0]), self.groups,
+                               (1, self.dilation[0]))
+        return y.squeeze(2)
+
+
+def use_channels_last(model: BigVGAN) -> int:
+    """Keep BigVGAN's data channels-last from its first conv to its last, in place; returns how many convs.
+
+    Every conv weight is stored channels-last and runs as a conv2d over an NHWC view (the classes above);
+    a pre-hook hands the model its mel channels-last. cuDNN's fastest conv kernels on Hopper work on NHWC
+    data: given channels-first tensors they convert each input and output around every conv. The residual
+    adds keep their inputs' layout and the fused activation has a channels-last kernel
+    (vocoder/kernels/aa_snake.py), so nothing converts in between. Values are unchanged: only strides
+    differ."""
+    swaps = {nn.Conv1d: ChannelsLastConv1d, nn.ConvTranspose1d: ChannelsLastConvTranspose1d}
+    convs = [m for m in model.modules() if type(m) in swaps]
+    for conv in convs:
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError(f"channels-last convs take zero padding given as numbers, not {conv.padding!r}")
+    for conv in convs:
+        conv.weight.data = _time_major(conv.weight.data)
+        conv.__class__ = swaps[type(conv)]
+    model.register_forward_pre_hook(lambda _module, args: (_time_major(args[0]), *args[1:]))
+    return len(convs)
 
 
 def _conv_back(conv: nn.Conv1d, span: Interval) -> Interval:

@@ -20,7 +20,7 @@ from vocoder.flow import FlowDecoder
 from vocoder.flow_layers import CausalBlock, ChunkTransformer
 from vocoder.graphs import GraphedFunction
 from vocoder.kernels import HAS_TRITON
-from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
+from vocoder.mel_vocoder import build_generator, receptive_field_frames, use_channels_last, vocode
 from vocoder.noise import batch_frame_noise, check_seed, frame_noise
 from vocoder.session import VocoderSession, check_codes
 from vocoder.state_pool import FlowStatePool
@@ -72,6 +72,7 @@ class StreamingVocoder:
         dtype: torch.dtype = torch.float32,
         triton_kernels: bool | None = None,
         pdl: str = "auto",
+        channels_last: bool | None = None,
     ):
         config.validate()
         self.config = config
@@ -81,6 +82,12 @@ class StreamingVocoder:
         self.generator = generator.to(device=self.device, dtype=dtype).eval()
         self.voices = voices
         self.triton_kernels = self._enable_triton_kernels(triton_kernels)
+        # BigVGAN's data channels-last (mel_vocoder.use_channels_last): None = with the Triton kernels
+        if channels_last and not self.triton_kernels:
+            raise ValueError("channels_last needs the Triton kernels (the package's activation would copy)")
+        self.channels_last = self.triton_kernels if channels_last is None else channels_last
+        if self.channels_last:
+            use_channels_last(self.generator)
         # programmatic dependent launch of the Triton kernels ("auto": where supported); same results either way
         self.pdl = resolve_pdl(pdl, self.device, self.triton_kernels)
         exact_left, exact_right = receptive_field_frames(self.generator)
@@ -254,10 +261,12 @@ class StreamingVocoder:
         bigvgan_checkpoint: str | Path | None = None,
         config: VocoderConfig | None = None,
         triton_kernels: bool | None = None,
+        channels_last: bool | None = None,
     ) -> StreamingVocoder:
         """Build `tiny` or `full` (random deterministic weights from `seed` unless checkpoints are given).
 
-        dtype None means float32; triton_kernels None means on with CUDA and Triton. Checkpoints are
+        dtype None means float32; triton_kernels None means on with CUDA and Triton; channels_last (BigVGAN's
+        data channels-last, `mel_vocoder.use_channels_last`) None means with the Triton kernels. Checkpoints are
         safetensors state dicts (flow: FlowDecoder keys;
         BigVGAN: generator keys). `config` overrides the preset (e.g. other Euler steps or chunking).
         """
@@ -281,7 +290,8 @@ class StreamingVocoder:
         generator = build_generator(cfg.bigvgan, checkpoint=bigvgan_checkpoint, seed=seed)
         voices = VoiceLibrary(voices_dir if voices_dir is not None else DEFAULT_VOICES_DIR)
         return cls(
-            cfg, flow, generator, voices, device=device, dtype=torch_dtype, triton_kernels=triton_kernels
+            cfg, flow, generator, voices, device=device, dtype=torch_dtype, triton_kernels=triton_kernels,
+            channels_last=channels_last,
         )
 
     # ---------------------------------------------------------------- sessions

@@ -91,6 +91,10 @@ CASES = [
     ("aa_snake", aa_snake._aa_snake_kernel, SNAKE_SIG, {"LOG_SCALE": True, "HAS_BETA": True, "BLOCK": 256}),
     ("aa_snake_gather", aa_snake._aa_snake_gather_kernel, SNAKE_SIG,
      {"LOG_SCALE": True, "HAS_BETA": True, "BLOCK": 256}),
+    ("aa_snake_nwc", aa_snake._aa_snake_nwc_kernel, SNAKE_SIG,
+     {"LOG_SCALE": True, "HAS_BETA": True, "FAST_SIN": True, "BT": 16, "BC": 64}),
+    ("aa_snake_nwc_gather", aa_snake._aa_snake_nwc_gather_kernel, SNAKE_SIG,
+     {"LOG_SCALE": True, "HAS_BETA": True, "FAST_SIN": True, "R": 32, "BC": 64}),
 ]
 
 

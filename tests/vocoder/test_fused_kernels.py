@@ -8,6 +8,11 @@ position, gathered) must equal bigvgan's `Activation1d`, edges included.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from bigvgan.activations import Snake, SnakeBeta
@@ -22,7 +27,12 @@ from vocoder.aa_activation import (
     fuse_activations,
 )
 from vocoder.config import VocoderConfig
-from vocoder.mel_vocoder import build_generator
+from vocoder.mel_vocoder import (
+    ChannelsLastConv1d,
+    ChannelsLastConvTranspose1d,
+    build_generator,
+    use_channels_last,
+)
 
 
 def _activation(cls: type, channels: int, seed: int) -> Activation1d:
@@ -75,3 +85,71 @@ def test_triton_kernels_follow_the_device() -> None:
     assert not any(getattr(m, "use_triton", False) for m in voc.flow.modules())
     with pytest.raises(ValueError, match="CUDA device and Triton"):
         StreamingVocoder.from_preset("tiny", triton_kernels=True)
+
+
+def test_channels_last_bigvgan_keeps_values_and_its_data_channels_last() -> None:
+    """`use_channels_last` changes strides only: the same PCM on CPU; every conv weight stored with its input
+    channels contiguous; the mel converted on the way in; and every conv's output channels-last (conv2d over
+    NHWC views), so the next conv and the residual adds see the same layout."""
+    generator = build_generator(VocoderConfig.preset("tiny").bigvgan, seed=3)
+    mel = torch.randn(2, 80, 9, generator=torch.Generator().manual_seed(0)) - 5.0
+    with torch.no_grad():
+        before = generator(mel)
+        convs = use_channels_last(generator)
+        seen: list[bool] = []
+        modules = [m for m in generator.modules() if isinstance(m, torch.nn.Conv1d | torch.nn.ConvTranspose1d)]
+        hooks = [generator.conv_pre.register_forward_pre_hook(lambda _m, args: seen.append(args[0].stride(1) == 1))]
+        outputs: list[torch.Tensor] = []
+        hooks += [m.register_forward_hook(lambda _m, _args, out: outputs.append(out)) for m in modules]
+        after = generator(mel)
+        for hook in hooks:
+            hook.remove()
+    assert convs == len(modules) > 0
+    assert {type(m) for m in modules} == {ChannelsLastConv1d, ChannelsLastConvTranspose1d}
+    assert all(m.weight.stride() == (m.weight.shape[1] * m.weight.shape[2], 1, m.weight.shape[1]) for m in modules)
+    assert seen == [True]  # the mel reached the first conv channels-last
+    assert len(outputs) == len(modules) and all(
+        o.shape[1] == 1 or (o.stride(1) == 1 and o.stride(2) == o.shape[1]) for o in outputs)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+
+
+def test_channels_last_needs_the_triton_kernels() -> None:
+    with pytest.raises(ValueError, match="channels_last needs the Triton kernels"):
+        StreamingVocoder.from_preset("tiny", channels_last=True)
+    assert StreamingVocoder.from_preset("tiny").channels_last is False  # CPU
+
+
+NWC_SCRIPT = """
+import sys, torch
+from vocoder.kernels import aa_snake as m
+from vocoder.aa_activation import aa_snake_reference
+worst = 0.0
+for (b, c, t) in [(2, 64, 40), (1, 96, 5), (3, 32, 1), (2, 40, 70), (1, 128, 2), (1, 32, 49), (1, 64, 130)]:
+    g = torch.Generator().manual_seed(b * 1000 + c + t)
+    x = (2.0 * torch.randn(b, t, c, generator=g)).transpose(1, 2)  # [B, C, T] stored channels-last
+    assert m.is_channels_last(x) and (t == 1 or not m.is_channels_last(x.contiguous()))  # t = 1: same
+    hu, hd = torch.randn(12, generator=g) * 0.3, torch.randn(12, generator=g) * 0.3
+    alpha, beta = torch.randn(c, generator=g) * 0.5, torch.randn(c, generator=g) * 0.5
+    for has_beta, gather in ((False, False), (True, False), (False, True), (True, True)):
+        flags = {"LOG_SCALE": True, "HAS_BETA": has_beta}
+        y = m._aa_snake_nwc(x, (alpha, beta if has_beta else alpha), (hu, hd), flags, fast_sin=False, gather=gather)
+        want = aa_snake_reference(x.contiguous(), alpha, beta if has_beta else None, hu, hd, log_scale=True)
+        assert y.shape == want.shape and y.stride() == x.stride(), (y.stride(), x.stride())
+        worst = max(worst, float((y - want).abs().max()))
+print(worst)
+"""
+
+
+def test_channels_last_activation_kernel_in_the_triton_interpreter() -> None:
+    """The channels-last kernels themselves (direct and gathering), run by Triton's CPU interpreter (a fresh
+    process: the interpreter is chosen when the kernels are defined) against `aa_snake_reference`: tiles of
+    32/64 channels with masked lanes (40 channels), one-frame rows, replicate edges, rows spanning several
+    gathering programs (130 frames, 56 per program)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"TRITON_INTERPRET": "1",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", NWC_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) < 2e-5  # float32, sums in another order

@@ -158,6 +158,173 @@ def _aa_snake_gather_kernel(
     tl.store(y_ptr + row * T + t, acc.to(y_ptr.dtype.element_ty), mask=(lanes < BLOCK - 8) & (t < T))
 
 
+@triton.jit
+def _aa_snake_nwc_kernel(
+    x_ptr,
+    y_ptr,
+    alpha_ptr,
+    beta_ptr,
+    hu_ptr,
+    hd_ptr,
+    C,
+    T,
+    LOG_SCALE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    FAST_SIN: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The polyphase form on a channels-last tensor (element (b, c, t) at b*T*C + t*C + c): a program makes
+    a [BT, BC] tile of outputs, each lane a channel, so every load is a run of BC contiguous channels. With
+    no neighbour exchange across lanes, each output recomputes the 7 upsampled pairs it reads: for
+    q = t - 3 .. t + 3, ue = u[2q] and uo = u[2q + 1] (replicate ends as in `_aa_snake_gather_kernel`);
+    y[t] = sum_a hd[2a + 1] S(ue[t + a - 2]) + hd[2a] S(uo[t + a - 3])."""
+    pdl_enter(USE_PDL)
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    c_ok = (c < C)[None, :]
+    cc = tl.minimum(c, C - 1)  # lanes past C read channel C - 1's coefficients and store nothing
+    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, cc, LOG_SCALE, HAS_BETA)
+    a = a[None, :]
+    inv_b = inv_b[None, :]
+    base = x_ptr + b * T * C + c[None, :]  # c itself, not cc: runs of contiguous channels, vector loads
+    last = T - 1
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for dq in tl.static_range(7):
+        q = t + (dq - 3)
+        qc = tl.minimum(tl.maximum(q, 0), last)
+        ue = tl.zeros([BT, BC], dtype=tl.float32)
+        uo = tl.zeros([BT, BC], dtype=tl.float32)
+        for r in tl.static_range(6):
+            xe = tl.load(base + (tl.minimum(tl.maximum(qc + (2 - r), 0), last) * C)[:, None], mask=c_ok,
+                         other=0.0).to(tl.float32)
+            xo = tl.load(base + (tl.minimum(tl.maximum(qc + (3 - r), 0), last) * C)[:, None], mask=c_ok,
+                         other=0.0).to(tl.float32)
+            ue += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * xe
+            uo += tl.load(hu_ptr + 2 * r).to(tl.float32) * xo
+        if dq >= 1:  # ue at q = t + i - 2, i = dq - 1
+            ue_f = tl.where((q > last)[:, None], uo, ue) * 2.0
+            if FAST_SIN:
+                se = _fast_sin(ue_f * a)
+            else:
+                se = tl.sin(ue_f * a)
+            acc += tl.load(hd_ptr + 2 * dq - 1).to(tl.float32) * (ue_f + inv_b * se * se)
+        if dq <= 5:  # uo at q = t + i - 3, i = dq
+            uo_f = tl.where((q < 0)[:, None], ue, uo) * 2.0
+            if FAST_SIN:
+                so = _fast_sin(uo_f * a)
+            else:
+                so = tl.sin(uo_f * a)
+            acc += tl.load(hd_ptr + 2 * dq).to(tl.float32) * (uo_f + inv_b * so * so)
+    mask = (t < T)[:, None] & (c < C)[None, :]
+    tl.store(y_ptr + b * T * C + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _aa_snake_nwc_gather_kernel(
+    x_ptr,
+    y_ptr,
+    alpha_ptr,
+    beta_ptr,
+    hu_ptr,
+    hd_ptr,
+    C,
+    T,
+    LOG_SCALE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    FAST_SIN: tl.constexpr,
+    R: tl.constexpr,
+    BC: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """`_aa_snake_gather_kernel` on a channels-last tensor: a program holds R time rows x BC channels and
+    makes the first R - 8 rows of outputs. Row l holds q = t0 - 4 + l and both upsampled phases there
+    (7 loads of contiguous channel runs, one snake each); output t0 + l gathers the snakes of rows
+    l + 1 .. l + 7 along the tile's time axis."""
+    pdl_enter(USE_PDL)
+    b = tl.program_id(0).to(tl.int64)
+    t0 = tl.program_id(1) * (R - 8)
+    rows = tl.arange(0, R)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    c_ok = (c < C)[None, :]
+    cc = tl.minimum(c, C - 1)  # lanes past C read channel C - 1's coefficients and store nothing
+    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, cc, LOG_SCALE, HAS_BETA)
+    a = a[None, :]
+    inv_b = inv_b[None, :]
+    base = x_ptr + b * T * C + c[None, :]
+    last = T - 1
+    q = t0 - 4 + rows
+    qc = tl.minimum(tl.maximum(q, 0), last)
+    ue = tl.zeros([R, BC], dtype=tl.float32)
+    uo = tl.zeros([R, BC], dtype=tl.float32)
+    for r in tl.static_range(6):
+        xe = tl.load(base + (tl.minimum(tl.maximum(qc + (2 - r), 0), last) * C)[:, None], mask=c_ok,
+                     other=0.0).to(tl.float32)
+        xo = tl.load(base + (tl.minimum(tl.maximum(qc + (3 - r), 0), last) * C)[:, None], mask=c_ok,
+                     other=0.0).to(tl.float32)
+        ue += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * xe
+        uo += tl.load(hu_ptr + 2 * r).to(tl.float32) * xo
+    ue_f = tl.where((q > last)[:, None], uo, ue) * 2.0
+    uo_f = tl.where((q < 0)[:, None], ue, uo) * 2.0
+    if FAST_SIN:
+        se = _fast_sin(ue_f * a)
+        so = _fast_sin(uo_f * a)
+    else:
+        se = tl.sin(ue_f * a)
+        so = tl.sin(uo_f * a)
+    se = ue_f + inv_b * se * se
+    so = uo_f + inv_b * so * so
+    acc = tl.zeros([R, BC], dtype=tl.float32)
+    zero = tl.zeros([R, BC], dtype=tl.int32)
+    for i in tl.static_range(6):
+        ie = zero + tl.minimum(rows + (i + 2), R - 1)[:, None]
+        io = zero + tl.minimum(rows + (i + 1), R - 1)[:, None]
+        acc += tl.load(hd_ptr + 2 * i + 1).to(tl.float32) * tl.gather(se, ie, 0)
+        acc += tl.load(hd_ptr + 2 * i).to(tl.float32) * tl.gather(so, io, 0)
+    t = t0 + rows
+    mask = ((rows < R - 8) & (t < T))[:, None] & c_ok
+    tl.store(y_ptr + b * T * C + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """x [B, C, T] stored time-major, channels contiguous (strides (T*C, 1, C)), as cuDNN's NHWC convs
+    leave a conv1d's output when its input and weight are so."""
+    bsz, channels, length = x.shape
+    return channels > 1 and x.stride(1) == 1 and (length == 1 or x.stride(2) == channels) and (
+        bsz == 1 or x.stride(0) == channels * length)
+
+
+def nwc_launch(channels: int) -> tuple[int, int, int]:
+    """(rows, channel block, warps) of `_aa_snake_nwc_gather_kernel` for a channel count: 64 rows (56
+    outputs) x 32 channels over 4 warps was the fastest of 44 shapes at 768, 384 and 192 channels of a
+    64-stream step on the H200, 1.5-9% ahead of 32 x 64 (bench/results/vocoder-nwc-h200/)."""
+    return 64, 32, 4
+
+
+def _aa_snake_nwc(x: torch.Tensor, alpha_beta: tuple, filters: tuple, flags: dict, *, fast_sin: bool = True,
+                  gather: bool | None = None, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Launch a channels-last kernel: the gathering one where `tl.gather` exists (gather None), else the
+    direct one (7 upsampled pairs and 12 snakes recomputed per output). `launch` overrides `nwc_launch`
+    (bench/aa_snake_tune.py)."""
+    bsz, channels, length = x.shape
+    y = torch.empty_like(x)  # same strides
+    if HAS_GATHER if gather is None else gather:
+        rows, block_c, warps = launch or nwc_launch(channels)
+        grid = (bsz, triton.cdiv(length, rows - 8), triton.cdiv(channels, block_c))
+        _aa_snake_nwc_gather_kernel[grid](x, y, *alpha_beta, *filters, channels, length, **flags,
+                                          FAST_SIN=fast_sin, R=rows, BC=block_c, num_warps=warps, **pdl_args())
+        return y
+    # [16, 64] tiles over 4 warps (8 outputs per thread) or [8, 32] over one: no register spills (ptxas for
+    # sm_90); [32, 64] over 4 warps spilled 1.3 kB per thread and ran ~40x slower on the H200
+    block_t, block_c, warps = (16, 64, 4) if channels % 64 == 0 else (8, 32, 1)
+    grid = (bsz, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))
+    _aa_snake_nwc_kernel[grid](x, y, *alpha_beta, *filters, channels, length, **flags, FAST_SIN=fast_sin,
+                               BT=block_t, BC=block_c, num_warps=warps, **pdl_args())
+    return y
+
+
 HAS_GATHER = hasattr(tl, "gather")
 
 
@@ -174,6 +341,7 @@ def aa_snake(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """x [B, C, T] (CUDA) -> [B, C, T]: downsample2(snake(upsample2(x))) as in bigvgan's Activation1d.
+    A channels-last x (`is_channels_last`) runs `_aa_snake_nwc_kernel` and gives a channels-last y.
 
     alpha, beta: [C] snake parameters (log scale if `log_scale`); beta None for plain Snake.
     up_filter, down_filter: the 12-tap float32 filters of UpSample1d / DownSample1d.
@@ -182,14 +350,16 @@ def aa_snake(
     """
     assert x.dim() == 3 and x.is_cuda
     assert up_filter.numel() == 12 and down_filter.numel() == 12
+    alpha_beta = (alpha, beta if beta is not None else alpha)
+    filters = (up_filter.reshape(-1).float().contiguous(), down_filter.reshape(-1).float().contiguous())
+    flags = {"LOG_SCALE": log_scale, "HAS_BETA": beta is not None}
+    if x.numel() and is_channels_last(x) and not direct:
+        return _aa_snake_nwc(x, alpha_beta, filters, flags)
     x = x.contiguous()
     bsz, channels, length = x.shape
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    alpha_beta = (alpha, beta if beta is not None else alpha)
-    filters = (up_filter.reshape(-1).float().contiguous(), down_filter.reshape(-1).float().contiguous())
-    flags = {"LOG_SCALE": log_scale, "HAS_BETA": beta is not None}
     if HAS_GATHER and not direct:
         # One warp per program measured fastest on the H200 (bench/results/aa-snake-tune-h200.json).
         block = block or (512 if length >= 16384 else 256 if length >= 96 else 32)
