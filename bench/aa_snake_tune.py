@@ -39,8 +39,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--layout", choices=("ncw", "nwc"), default="ncw",
                     help="nwc: the channels-last kernels on time-major tensors ((rows, channel block, warps))")
+    ap.add_argument("--nwc-launches", default="64x32x4,32x64x4,64x64x4,128x32x4,64x32x2,32x32x2,64x16x2",
+                    help="--layout nwc: (rows)x(channel block)x(warps) shapes of the gathering kernel to time")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    args.nwc_launches = [tuple(int(v) for v in item.split("x")) for item in args.nwc_launches.split(",")]
     if args.layout == "nwc":
         tune_nwc(args)
         return
@@ -105,8 +108,7 @@ def tune_nwc(args: argparse.Namespace) -> None:
         flags = {"LOG_SCALE": True, "HAS_BETA": True}
         row = {"channels": channels, "length": length, "copy_ms": round(time_ms(x.clone), 4),
                "default_launch": nwc_launch(channels), "launches": []}
-        candidates = [(False, None)] + [(True, (r, bc, w)) for r in (16, 32, 64) for bc in (16, 32, 64, 128)
-                                        for w in (1, 2, 4, 8) if r * bc // (32 * w) >= 4]
+        candidates = [(False, None)] + [(True, launch) for launch in args.nwc_launches]
         for gather, launch in candidates:
             run = functools.partial(_aa_snake_nwc, x, (act.act.alpha, act.act.beta), filters, flags,
                                     gather=gather, launch=launch)

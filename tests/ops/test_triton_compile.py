@@ -94,7 +94,7 @@ CASES = [
     ("aa_snake_nwc", aa_snake._aa_snake_nwc_kernel, SNAKE_SIG,
      {"LOG_SCALE": True, "HAS_BETA": True, "FAST_SIN": True, "BT": 16, "BC": 64}),
     ("aa_snake_nwc_gather", aa_snake._aa_snake_nwc_gather_kernel, SNAKE_SIG,
-     {"LOG_SCALE": True, "HAS_BETA": True, "FAST_SIN": True, "R": 32, "BC": 64}),
+     {"LOG_SCALE": True, "HAS_BETA": True, "FAST_SIN": True, "R": 64, "BC": 32}),
 ]
 
 

@@ -241,8 +241,10 @@ def _aa_snake_nwc_gather_kernel(
 ):
     """`_aa_snake_gather_kernel` on a channels-last tensor: a program holds R time rows x BC channels and
     makes the first R - 8 rows of outputs. Row l holds q = t0 - 4 + l and both upsampled phases there
-    (7 loads of contiguous channel runs, one snake each); output t0 + l gathers the snakes of rows
-    l + 1 .. l + 7 along the tile's time axis."""
+    (7 loads of contiguous channel runs, one snake each); output t0 + l gathers, along the tile's time
+    axis, the snakes of rows l + 1 .. l + 7 (12 gathers, lowered to warp shuffles). Gathering 7 rows that
+    already sum both phases weighted by their taps was slower on the H200: 4.10 vs 3.15 ms over the six
+    stage shapes of bench/aa_snake_tune.py (layout conversions through shared memory around each gather)."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     t0 = tl.program_id(1) * (R - 8)
@@ -297,10 +299,11 @@ def is_channels_last(x: torch.Tensor) -> bool:
 
 
 def nwc_launch(channels: int) -> tuple[int, int, int]:
-    """(rows, channel block, warps) of `_aa_snake_nwc_gather_kernel` for a channel count: 64 rows (56
-    outputs) x 32 channels over 4 warps was the fastest of 44 shapes at 768, 384 and 192 channels of a
-    64-stream step on the H200, 1.5-9% ahead of 32 x 64 (bench/results/vocoder-nwc-h200/)."""
-    return 64, 32, 4
+    """(rows, channel block, warps) of `_aa_snake_nwc_gather_kernel` for a channel count: 64 rows (56 outputs)
+    x 32 channels over 4 warps, or x 16 channels over 2 warps where 32 does not divide the channels. On the
+    H200 (bench/results/vocoder-nwc-h200/, 14 shapes timed at the six BigVGAN stages of a 64-stream step)
+    64 x 32 x 4 had the lowest total; at 48 channels 64 x 16 x 2 took 0.52 ms against 0.66."""
+    return (64, 32, 4) if channels % 32 == 0 else (64, 16, 2)
 
 
 def _aa_snake_nwc(x: torch.Tensor, alpha_beta: tuple, filters: tuple, flags: dict, *, fast_sin: bool = True,
