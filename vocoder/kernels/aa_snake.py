@@ -159,6 +159,44 @@ def _aa_snake_gather_kernel(
 
 
 @triton.jit
+def _nwc_tile(x_ptr, alpha_ptr, beta_ptr, C, T, BC: tl.constexpr, LOG_SCALE: tl.constexpr, HAS_BETA: tl.constexpr):
+    """A channels-last program's channels: (c, c_ok [1, BC], alpha and 1 / beta [1, BC], its row's x + c)."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    cc = tl.minimum(c, C - 1)  # lanes past C read channel C - 1's coefficients and store nothing
+    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, cc, LOG_SCALE, HAS_BETA)
+    # c itself, not cc, in the addresses: runs of contiguous channels, vector loads
+    return c, (c < C)[None, :], a[None, :], inv_b[None, :], x_ptr + b * T * C + c[None, :]
+
+
+@triton.jit
+def _nwc_phases(base, qc, c_ok, hu_ptr, C, T, ROWS: tl.constexpr, BC: tl.constexpr):
+    """Both upsampled phases at the (clamped) rows qc of a channels-last tile, before the replicate-end
+    fix-ups: ue = u[2q] / 2 (odd up-taps), uo = u[2q + 1] / 2 (even up-taps), [ROWS, BC] float32."""
+    last = T - 1
+    ue = tl.zeros([ROWS, BC], dtype=tl.float32)
+    uo = tl.zeros([ROWS, BC], dtype=tl.float32)
+    for r in tl.static_range(6):
+        xe = tl.load(base + (tl.minimum(tl.maximum(qc + (2 - r), 0), last) * C)[:, None], mask=c_ok,
+                     other=0.0).to(tl.float32)
+        xo = tl.load(base + (tl.minimum(tl.maximum(qc + (3 - r), 0), last) * C)[:, None], mask=c_ok,
+                     other=0.0).to(tl.float32)
+        ue += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * xe
+        uo += tl.load(hu_ptr + 2 * r).to(tl.float32) * xo
+    return ue, uo
+
+
+@triton.jit
+def _snake(u, a, inv_b, FAST_SIN: tl.constexpr):
+    """u + sin(a u)^2 / b."""
+    if FAST_SIN:
+        s = _fast_sin(u * a)
+    else:
+        s = tl.sin(u * a)
+    return u + inv_b * s * s
+
+
+@triton.jit
 def _aa_snake_nwc_kernel(
     x_ptr,
     y_ptr,
@@ -183,42 +221,19 @@ def _aa_snake_nwc_kernel(
     pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
-    c = tl.program_id(2) * BC + tl.arange(0, BC)
-    c_ok = (c < C)[None, :]
-    cc = tl.minimum(c, C - 1)  # lanes past C read channel C - 1's coefficients and store nothing
-    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, cc, LOG_SCALE, HAS_BETA)
-    a = a[None, :]
-    inv_b = inv_b[None, :]
-    base = x_ptr + b * T * C + c[None, :]  # c itself, not cc: runs of contiguous channels, vector loads
+    c, c_ok, a, inv_b, base = _nwc_tile(x_ptr, alpha_ptr, beta_ptr, C, T, BC, LOG_SCALE, HAS_BETA)
     last = T - 1
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for dq in tl.static_range(7):
         q = t + (dq - 3)
-        qc = tl.minimum(tl.maximum(q, 0), last)
-        ue = tl.zeros([BT, BC], dtype=tl.float32)
-        uo = tl.zeros([BT, BC], dtype=tl.float32)
-        for r in tl.static_range(6):
-            xe = tl.load(base + (tl.minimum(tl.maximum(qc + (2 - r), 0), last) * C)[:, None], mask=c_ok,
-                         other=0.0).to(tl.float32)
-            xo = tl.load(base + (tl.minimum(tl.maximum(qc + (3 - r), 0), last) * C)[:, None], mask=c_ok,
-                         other=0.0).to(tl.float32)
-            ue += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * xe
-            uo += tl.load(hu_ptr + 2 * r).to(tl.float32) * xo
+        ue, uo = _nwc_phases(base, tl.minimum(tl.maximum(q, 0), last), c_ok, hu_ptr, C, T, BT, BC)
         if dq >= 1:  # ue at q = t + i - 2, i = dq - 1
-            ue_f = tl.where((q > last)[:, None], uo, ue) * 2.0
-            if FAST_SIN:
-                se = _fast_sin(ue_f * a)
-            else:
-                se = tl.sin(ue_f * a)
-            acc += tl.load(hd_ptr + 2 * dq - 1).to(tl.float32) * (ue_f + inv_b * se * se)
+            se = _snake(tl.where((q > last)[:, None], uo, ue) * 2.0, a, inv_b, FAST_SIN)
+            acc += tl.load(hd_ptr + 2 * dq - 1).to(tl.float32) * se
         if dq <= 5:  # uo at q = t + i - 3, i = dq
-            uo_f = tl.where((q < 0)[:, None], ue, uo) * 2.0
-            if FAST_SIN:
-                so = _fast_sin(uo_f * a)
-            else:
-                so = tl.sin(uo_f * a)
-            acc += tl.load(hd_ptr + 2 * dq).to(tl.float32) * (uo_f + inv_b * so * so)
-    mask = (t < T)[:, None] & (c < C)[None, :]
+            so = _snake(tl.where((q < 0)[:, None], ue, uo) * 2.0, a, inv_b, FAST_SIN)
+            acc += tl.load(hd_ptr + 2 * dq).to(tl.float32) * so
+    mask = (t < T)[:, None] & c_ok
     tl.store(y_ptr + b * T * C + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -249,35 +264,12 @@ def _aa_snake_nwc_gather_kernel(
     b = tl.program_id(0).to(tl.int64)
     t0 = tl.program_id(1) * (R - 8)
     rows = tl.arange(0, R)
-    c = tl.program_id(2) * BC + tl.arange(0, BC)
-    c_ok = (c < C)[None, :]
-    cc = tl.minimum(c, C - 1)  # lanes past C read channel C - 1's coefficients and store nothing
-    a, inv_b = _snake_coefficients(alpha_ptr, beta_ptr, cc, LOG_SCALE, HAS_BETA)
-    a = a[None, :]
-    inv_b = inv_b[None, :]
-    base = x_ptr + b * T * C + c[None, :]
+    c, c_ok, a, inv_b, base = _nwc_tile(x_ptr, alpha_ptr, beta_ptr, C, T, BC, LOG_SCALE, HAS_BETA)
     last = T - 1
     q = t0 - 4 + rows
-    qc = tl.minimum(tl.maximum(q, 0), last)
-    ue = tl.zeros([R, BC], dtype=tl.float32)
-    uo = tl.zeros([R, BC], dtype=tl.float32)
-    for r in tl.static_range(6):
-        xe = tl.load(base + (tl.minimum(tl.maximum(qc + (2 - r), 0), last) * C)[:, None], mask=c_ok,
-                     other=0.0).to(tl.float32)
-        xo = tl.load(base + (tl.minimum(tl.maximum(qc + (3 - r), 0), last) * C)[:, None], mask=c_ok,
-                     other=0.0).to(tl.float32)
-        ue += tl.load(hu_ptr + 2 * r + 1).to(tl.float32) * xe
-        uo += tl.load(hu_ptr + 2 * r).to(tl.float32) * xo
-    ue_f = tl.where((q > last)[:, None], uo, ue) * 2.0
-    uo_f = tl.where((q < 0)[:, None], ue, uo) * 2.0
-    if FAST_SIN:
-        se = _fast_sin(ue_f * a)
-        so = _fast_sin(uo_f * a)
-    else:
-        se = tl.sin(ue_f * a)
-        so = tl.sin(uo_f * a)
-    se = ue_f + inv_b * se * se
-    so = uo_f + inv_b * so * so
+    ue, uo = _nwc_phases(base, tl.minimum(tl.maximum(q, 0), last), c_ok, hu_ptr, C, T, R, BC)
+    se = _snake(tl.where((q > last)[:, None], uo, ue) * 2.0, a, inv_b, FAST_SIN)
+    so = _snake(tl.where((q < 0)[:, None], ue, uo) * 2.0, a, inv_b, FAST_SIN)
     acc = tl.zeros([R, BC], dtype=tl.float32)
     zero = tl.zeros([R, BC], dtype=tl.int32)
     for i in tl.static_range(6):
