@@ -34,6 +34,30 @@ def time_ms(fn: Callable[[], object]) -> float:
     return time_fn(fn, torch.device("cuda"), warmup=1, reps=20).median_ms
 
 
+def activation_case(channels: int, length: int, batch: int, *, time_major: bool = False):
+    """A seeded SnakeBeta `Activation1d` of `channels`, a bf16 input [batch, channels, length] (stored
+    time-major if asked) and the module's float32 output on it: (act, x, ref)."""
+    torch.manual_seed(0)
+    act = Activation1d(SnakeBeta(channels, alpha_logscale=True)).cuda()
+    with torch.no_grad():
+        for p in act.act.parameters():
+            p.normal_(0, 0.5)
+    if time_major:
+        x = torch.randn(batch, length, channels, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        x = torch.randn(batch, channels, length, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = act(x.float())
+    return act, x, ref
+
+
+def save(rows: list[dict], out: str) -> None:
+    """The rows so far as the tool's JSON (with its command) at `out`, if given."""
+    result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows}
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -49,14 +73,7 @@ def main() -> None:
         return
     rows = []
     for channels, length in [(768, 670), (384, 2680), (192, 8040), (24, 64320)]:
-        torch.manual_seed(0)
-        act = Activation1d(SnakeBeta(channels, alpha_logscale=True)).cuda()
-        with torch.no_grad():
-            for p in act.act.parameters():
-                p.normal_(0, 0.5)
-        x = torch.randn(args.batch, channels, length, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            ref = act(x.float())
+        act, x, ref = activation_case(channels, length, args.batch)
         filters = (act.upsample.filter, act.downsample.lowpass.filter)
         copy_ms = time_ms(x.clone)
         row = {"channels": channels, "length": length, "copy_ms": round(copy_ms, 4), "launches": []}
@@ -85,9 +102,7 @@ def main() -> None:
         row["default_ms"] = round(time_ms(default), 4)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
-    result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    save(rows, args.out)
 
 
 def tune_nwc(args: argparse.Namespace) -> None:
@@ -95,14 +110,7 @@ def tune_nwc(args: argparse.Namespace) -> None:
     time-major: the direct kernel and the gathering one under each (rows, channel block, warps)."""
     rows = []
     for channels, length in [(768, 670), (384, 2680), (192, 8040), (96, 16080), (48, 32160), (24, 64320)]:
-        torch.manual_seed(0)
-        act = Activation1d(SnakeBeta(channels, alpha_logscale=True)).cuda()
-        with torch.no_grad():
-            for p in act.act.parameters():
-                p.normal_(0, 0.5)
-        x = torch.randn(args.batch, length, channels, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        with torch.no_grad():
-            ref = act(x.float())
+        act, x, ref = activation_case(channels, length, args.batch, time_major=True)
         filters = tuple(f.reshape(-1).float().contiguous() for f in (act.upsample.filter,
                                                                      act.downsample.lowpass.filter))
         flags = {"LOG_SCALE": True, "HAS_BETA": True}
@@ -124,9 +132,7 @@ def tune_nwc(args: argparse.Namespace) -> None:
                                  and "ms" in r)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
-        result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows}
-        if args.out:  # after every shape: a run cut short keeps what it measured
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        save(rows, args.out)  # after every shape: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

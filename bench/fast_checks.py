@@ -126,16 +126,22 @@ def _check_silu(device: torch.device, inter: int = 12288, **_: int) -> list[dict
     return out
 
 
+def _decode_tables(seq_lens_list: list[int], blocks: int, block_size: int, device: torch.device,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [S, W] int32 of distinct random blocks wide enough for the longest context, and the
+    contexts as seq_lens [S] int32."""
+    n, width = len(seq_lens_list), math.ceil(max(seq_lens_list) / block_size)
+    tables = torch.randperm(blocks, device=device, generator=gen)[: n * width].view(n, width).to(torch.int32)
+    return tables, torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+
+
 def _check_decode(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
     ref, fast, gen, randn = _setup(device)
     out: list[dict] = []
     blocks, block_size = 200, 16
     kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
     seq_lens_list = [1, 37, 600, 257]
-    width = math.ceil(max(seq_lens_list) / block_size)
-    perm = torch.randperm(blocks, device=device, generator=gen)
-    tables = perm[: len(seq_lens_list) * width].view(len(seq_lens_list), width).to(torch.int32)
-    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    tables, seq_lens = _decode_tables(seq_lens_list, blocks, block_size, device, gen)
     q = randn(len(seq_lens_list), heads, dim)
     want = ref.decode_attention(q, kc, vc, tables, seq_lens, 1)
     for parts in (1, 4):
@@ -155,9 +161,8 @@ def _check_decode_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: 
     out: list[dict] = []
     blocks, block_size = 200, 16
     seq_lens_list = [1, 37, 600, 257, 64]
-    n, width = len(seq_lens_list), math.ceil(max(seq_lens_list) / block_size)
-    tables = torch.randperm(blocks, device=device, generator=gen)[: n * width].view(n, width).to(torch.int32)
-    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    n = len(seq_lens_list)
+    tables, seq_lens = _decode_tables(seq_lens_list, blocks, block_size, device, gen)
     pos = seq_lens.long() - 1
     slots = (tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size)
     slots[4] = -1  # a padding row of a graph bucket: its K/V are not stored
