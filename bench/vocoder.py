@@ -44,7 +44,7 @@ import torch
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
-from vocoder.flow_layers import CausalBlock, ChunkTransformer
+from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
 from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,11 +85,15 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
 
 def copy_vocoder(
     base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True,
-    pdl: str = "auto", channels_last: bool | None = None,
+    pdl: str = "auto", channels_last: bool | None = None, flow_channels_last: bool = True,
+    flow_norms: bool = True,
 ) -> StreamingVocoder:
     """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels;
     flow_fusion False keeps only the activation and chunk attention kernels (the estimator's norms,
-    linears and Mish in PyTorch); channels_last as StreamingVocoder's."""
+    linears and Mish in PyTorch); channels_last as StreamingVocoder's (BigVGAN's data); flow_channels_last
+    False keeps the estimator's data channels-first with its plain causal convs in PyTorch, as before the
+    estimator went channels-last; flow_norms False keeps PyTorch's LayerNorms and residual adds in the
+    estimator's transformers at many rows (`ChunkTransformer.fuse_norms`)."""
     voc = StreamingVocoder(
         base.config,
         copy.deepcopy(base.flow),
@@ -101,11 +105,19 @@ def copy_vocoder(
         pdl=pdl,
         channels_last=channels_last,
     )
-    if not flow_fusion:
+    if not flow_channels_last or not flow_fusion:
+        voc.flow.estimator.channels_last = False
+        for module in voc.flow.estimator.modules():
+            if type(module) is CausalConv1d:
+                module.use_triton = False
+    for module in voc.flow.estimator.modules():
+        if isinstance(module, ChunkTransformer):
+            module.fuse_norms = flow_norms
+    if not flow_fusion:  # as before vocoder/kernels/flow_fused.py: PyTorch convs and linears
         for module in voc.flow.estimator.modules():
             if isinstance(module, ChunkTransformer):
                 module.fuse_linears = False
-            elif isinstance(module, CausalBlock):
+            elif isinstance(module, (CausalBlock, CausalConv1d)):
                 module.use_triton = False
     return voc
 

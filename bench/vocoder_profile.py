@@ -4,8 +4,9 @@
 
 For each variant ("package": BigVGAN activations of the `bigvgan` package and SDPA in the estimator;
 "fused": the Triton kernels of vocoder/kernels/ and BigVGAN's data channels-last (the default on CUDA);
-"fusedncw": the same with BigVGAN's data channels-first, as before; "partial": only the activation and chunk
-attention kernels, as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by
+"fusedncw": the same with BigVGAN's data channels-first, as before; "flowbase": "fused" with the flow
+estimator's data channels-first and PyTorch's norms in its transformers at many rows, as before;
+"flownorms": "flowbase" with those norms as kernels; "partial": only the activation and chunk attention kernels, as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by
 default, CUDA graphs on; `--variants` picks them) it times with synchronised wall clocks:
 - the first chunk of one stream (open, then the 5-code push), split into encoder, flow solve, BigVGAN and
   the rest (host work: windows, crossfade, copies);
@@ -14,15 +15,20 @@ Before timing, the fused activation kernels are checked against the package's `A
 (float32 and bf16, short and long rows), the chunk attention kernel against SDPA, and the fused vocoder's
 PCM against the package one's on the same codes.
 Then one eager steady step per --profile-batches is profiled with torch.profiler and kernels are summed by
-family (and counted).
+family (and counted); `top_ops` names the PyTorch ops (with input shapes and the Python line that called
+them) that own the most device time. `--host-batches` profiles one graphed steady step per batch with
+cProfile: the Python functions where the host's share of a step goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import functools
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -146,15 +152,17 @@ def check_flow_fusion(device: str) -> dict[str, float]:
     forward on the same weights and inputs: a transformer block and a causal block with a time bias."""
     if not device.startswith("cuda"):
         return {}
-    from vocoder.flow_layers import CausalBlock, ChunkTransformer, ConvCache
+    from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer, ConvCache
+    from vocoder.layout import is_channels_last
 
     torch.manual_seed(2)
     worst: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):
         block = ChunkTransformer(256, 8, 64, 4, 4).to(device, dtype)
         causal = CausalBlock(256, 256).to(device, dtype)
+        conv = CausalConv1d(256, 256, 3).to(device, dtype)
         block.fused_max_rows = 1 << 30  # the fused path at every row count checked
-        for module in (block, causal):
+        for module in (block, causal, conv):
             for param in module.parameters():  # LayerNorm weights away from their 1 / 0 init
                 param.data.normal_(0.0, 0.1 if param.dim() == 1 else 0.06)
         for rows, frames in ((2, 20), (1, 4), (128, 100)):
@@ -165,13 +173,25 @@ def check_flow_fusion(device: str) -> dict[str, float]:
             history = torch.randn(rows, 256, 2, device=device, dtype=dtype)
             valid = torch.randint(1, frames + 1, (rows,), device=device)
             for fused, out in ((True, got), (False, ref)):
-                block.use_triton = causal.use_triton = fused
+                block.use_triton = causal.use_triton = causal.conv.use_triton = conv.use_triton = fused
                 out["transformer"] = block(x).float()
+                block.fused_max_rows = 0  # the many-row path: cuBLAS linears, norm kernels
+                out["transformer_rows"] = block(x).float()
+                block.fused_max_rows = 1 << 30
                 out["causal_block"] = causal(conv_in, ConvCache(), add=add).float()
                 out["causal_block_shared_bias"] = causal(conv_in, ConvCache(), add=add[:1].expand(rows, -1)).float()
                 cache = ConvCache([history], valid)
                 out["causal_block_streaming"] = causal(conv_in, cache, add=add).float()
                 out["causal_block_cache_update"] = cache.updated[0].float()
+                # channels-last input (the estimator's layout on CUDA): the output keeps it
+                cache = ConvCache([history, history], valid)
+                y = causal(x.transpose(1, 2), cache, add=add)
+                assert not fused or is_channels_last(y), y.stride()
+                out["causal_block_channels_last"] = y.float()
+                y = conv(x.transpose(1, 2), cache)
+                assert not fused or is_channels_last(y), y.stride()
+                out["causal_conv_channels_last"] = y.float()
+                out["causal_conv_cache_update"] = cache.updated[1].float()
             for name, value in got.items():
                 assert value.shape == ref[name].shape and torch.isfinite(value).all(), name
                 key = f"{name}-{str(dtype).removeprefix('torch.')}"
@@ -208,6 +228,13 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
             )
             for name, fn in calls:
                 row[f"{name}_{'fused' if fused else 'torch'}_us"] = round(graph_us_per_call([fn] * 200), 2)
+        # the many-row transformer path (norm kernels, cuBLAS linears) and the causal block on channels-last data
+        block.fuse_linears, block.fused_max_rows, causal.use_triton = True, 0, True
+        row["transformer_rows_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
+        xt = x.transpose(1, 2)  # [1, 256, rows] stored channels-last
+        row["causal_block_channels_last_us"] = round(
+            graph_us_per_call([lambda x=xt, add=add: causal(x, ConvCache(), add)] * 200), 2)
+        block.fused_max_rows = 1 << 30
         out[str(rows)] = row
     return out
 
@@ -311,7 +338,9 @@ def profile_step(voc: StreamingVocoder, batch: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sync()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    with profile(
+        activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True, with_stack=True
+    ) as prof:
         with record_function("step"):
             voc.step(work)
         sync()
@@ -333,7 +362,51 @@ def profile_step(voc: StreamingVocoder, batch: int) -> dict[str, Any]:
         "kernel_ms_by_family": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
         "kernel_ms_total": round(sum(fams.values()), 2),
         "top_kernels": [{"name": k, "ms": round(v, 2), "calls": counts[k]} for k, v in top],
+        "top_ops": top_ops(prof, 25),
     }
+
+
+def top_ops(prof: Any, n: int) -> list[dict[str, Any]]:
+    """The `n` (op, input shapes, calling line) groups with the most self device time in `prof`."""
+    rows = []
+    for evt in prof.key_averages(group_by_input_shape=True, group_by_stack_n=6):
+        if evt.device_type != torch.autograd.DeviceType.CPU:  # kernels are in top_kernels
+            continue
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us > 0:
+            stack = [f for f in evt.stack if "vocoder" in f or "bench" in f][:3]
+            rows.append({"op": evt.key, "shapes": str(evt.input_shapes)[:160], "calls": evt.count,
+                         "self_device_ms": round(us / 1e3, 3), "called_from": stack})
+    return sorted(rows, key=lambda r: -r["self_device_ms"])[:n]
+
+
+def host_profile(voc: StreamingVocoder, batch: int, n: int = 30) -> dict[str, Any]:
+    """cProfile of one graphed steady step of `batch` streams (25-code chunks): its `n` costliest Python
+    functions by own time, next to the step's wall time (the GPU work inside counts where it is waited on)."""
+    rng = np.random.default_rng(4)
+    sessions = voc.open_many([("default", i) for i in range(batch)])
+    for n_codes in (5, 3, 5, 10, 25, 25, 25):  # to the steady chunk, its graphs captured
+        voc.step([(s, rng.integers(0, 16384, n_codes).tolist()) for s in sessions])
+    work = [(s, rng.integers(0, 16384, 25).tolist()) for s in sessions]
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    voc.step(work)
+    sync()
+    prof.disable()
+    wall = 1e3 * (time.perf_counter() - t0)
+    for s in sessions:
+        voc.close(s)
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (path, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(path).name}:{line}:{func}", "calls": calls,
+                     "own_ms": round(1e3 * tottime, 3), "cumulative_ms": round(1e3 * cumtime, 3)})
+    rows.sort(key=lambda r: -r["own_ms"])
+    return {"batch": batch, "wall_ms_profiled": round(wall, 3), "top_functions": rows[:n]}
 
 
 def main() -> None:
@@ -345,11 +418,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile-batches", default="1,64")
+    ap.add_argument("--host-batches", default="", help="cProfile one graphed steady step per batch")
     ap.add_argument("--block-rows", default="8,40,80,160,320,640,1280,2560,5120,12800")
     ap.add_argument("--blocks-only", action="store_true", help="stop after the checks and block timings")
     ap.add_argument("--variants", default="fused,partial",
-                    help="comma list of fused (channels-last BigVGAN), fusedncw (fused, BigVGAN channels-first), "
-                         "partial; the package's modules always run for the PCM check")
+                    help="comma list of fused (channels-last BigVGAN and estimator), fusedncw (fused, BigVGAN "
+                         "channels-first), flowbase, flownorms (see above), partial; the package's modules always run for the PCM check")
     ap.add_argument("--skip-package", action="store_true", help="do not time or profile the package's modules")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -383,6 +457,10 @@ def main() -> None:
                                                        channels_last=False),
         "partial": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
                                                       flow_fusion=False),
+        "flowbase": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
+                                                       flow_channels_last=False, flow_norms=False),
+        "flownorms": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
+                                                        flow_channels_last=False),
         "package": lambda: base,
     }
     names = list(dict.fromkeys([*args.variants.split(","), "package"]))
@@ -407,12 +485,17 @@ def main() -> None:
         if name == "package" and args.skip_package:
             continue
         voc.use_cuda_graphs()
+        graphed = (voc._encode, voc._flow_step, voc._generate)
         split = Split(voc)
         row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
         result.setdefault("variants", {})[name] = row
         save()
         for b in batches:
             row[f"steady_{b}"] = steady(voc, split, b, args.steps)
+            save()
+        voc._encode, voc._flow_step, voc._generate = graphed  # without the split's synchronising timers
+        for b in (int(x) for x in args.host_batches.split(",") if x):
+            result.setdefault("host_profile", {}).setdefault(name, {})[f"batch_{b}"] = host_profile(voc, b)
             save()
     for name, voc in variants:
         if name == "package" and args.skip_package:

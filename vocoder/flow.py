@@ -18,6 +18,7 @@ from vocoder.flow_layers import (
     ConvCache,
     TimestepEmbedding,
 )
+from vocoder.layout import cat_channels, pointwise_conv
 
 
 class FlowEstimator(nn.Module):
@@ -48,6 +49,9 @@ class FlowEstimator(nn.Module):
         self.up_conv = CausalConv1d(ch, ch, 3)
         self.final_block = CausalBlock(ch, ch)
         self.final_proj = nn.Conv1d(ch, NUM_MELS, 1)
+        # Activations stored channels-last (vocoder/layout.py): set with the Triton kernels on CUDA, whose
+        # convs keep that layout, so the transformers (frames as rows) and the 1x1 convs need no copies.
+        self.channels_last = False
 
     @property
     def resnets(self) -> list[CausalResnetBlock]:
@@ -73,16 +77,17 @@ class FlowEstimator(nn.Module):
         """x, mu, cond [B, 80, T]; spk [B, 80]; t [B] -> velocity [B, 80, T].
 
         time_biases: `time_biases(t)` when the caller has it (then t is not read)."""
-        h = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)  # [B, 320, T]
+        parts = [x, mu, spk[:, :, None].expand(-1, -1, x.shape[2]), cond]
+        h = cat_channels(parts, self.channels_last)  # [B, 320, T]
         biases = iter(self.time_biases(t) if time_biases is None else time_biases)
         h = _transformers(self.down_tf, self.down_res(h, next(biases), cache))
         skip = h
         h = self.down_conv(h, cache)
         for res, tfs in zip(self.mid_res, self.mid_tf):
             h = _transformers(tfs, res(h, next(biases), cache))
-        h = _transformers(self.up_tf, self.up_res(torch.cat([h, skip], dim=1), next(biases), cache))
+        h = _transformers(self.up_tf, self.up_res(cat_channels([h, skip]), next(biases), cache))
         h = self.up_conv(h, cache)
-        return self.final_proj(self.final_block(h, cache))
+        return pointwise_conv(self.final_proj, self.final_block(h, cache))
 
 
 def _transformers(blocks: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vocoder.layout import pointwise_conv
+
 
 class ConvCache:
     """Left context for every causal conv of one estimator forward.
@@ -51,10 +53,38 @@ class CausalConv1d(nn.Conv1d):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3):
         super().__init__(in_channels, out_channels, kernel_size, padding=0)
+        self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/flow_fused.py
+        self._taps: torch.Tensor | None = None  # the weight as [taps, C_out, C_in] for the kernel
+        self._taps_key: tuple | None = None
 
     def forward(self, x: torch.Tensor, cache: ConvCache) -> torch.Tensor:  # type: ignore[override]
         """[B, C_in, T] -> [B, C_out, T]."""
+        if self.use_triton and x.is_cuda:
+            return self.forward_fused(x, cache)
         return super().forward(cache.extend(x, self.kernel_size[0] - 1))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        cache: ConvCache,
+        norm: nn.LayerNorm | None = None,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This conv, then (with `norm`) LayerNorm over channels and Mish, then + add[b, c], and the cache
+        update, in one Triton kernel (vocoder/kernels/flow_fused.py); keeps x's layout (vocoder/layout.py)."""
+        from vocoder.kernels.flow_fused import causal_conv_norm_mish
+
+        weight = self.weight
+        key = (weight.data_ptr(), weight.dtype, weight._version)
+        if self._taps_key != key:  # [taps, C_out, C_in], rebuilt only when the weight changes
+            self._taps = weight.detach().permute(2, 0, 1).contiguous()
+            self._taps_key = key
+        prev = cache.take(x, self.kernel_size[0] - 1)
+        stats = None if norm is None else (norm.weight, norm.bias, norm.eps)
+        y, updated = causal_conv_norm_mish(x, prev, self._taps, self.bias, stats, add, cache.num_valid)
+        if updated is not None:
+            cache.updated.append(updated)
+        return y
 
 
 class CausalBlock(nn.Module):
@@ -65,35 +95,14 @@ class CausalBlock(nn.Module):
         self.conv = CausalConv1d(dim, dim_out, 3)
         self.norm = nn.LayerNorm(dim_out)
         self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/flow_fused.py
-        self._taps: torch.Tensor | None = None  # the conv weight as [taps, C_out, C_in] for the kernel
-        self._taps_key: tuple | None = None
 
     def forward(self, x: torch.Tensor, cache: ConvCache, add: torch.Tensor | None = None) -> torch.Tensor:
         """[B, C_in, T] -> [B, C_out, T]; `add` [B, C_out] is added to every frame after the Mish."""
-        if self.use_triton and x.is_cuda:
-            return self._forward_fused(x, cache, add)
+        if self.use_triton and x.is_cuda:  # the whole block in one kernel
+            return self.conv.forward_fused(x, cache, self.norm, add)
         h = self.conv(x, cache)  # [B, C, T]
         h = F.mish(self.norm(h.transpose(1, 2)).transpose(1, 2))
         return h if add is None else h + add[:, :, None]
-
-    def _forward_fused(self, x: torch.Tensor, cache: ConvCache, add: torch.Tensor | None) -> torch.Tensor:
-        """The same block (and its cache update) in one Triton kernel (vocoder/kernels/flow_fused.py)."""
-        from vocoder.kernels.flow_fused import causal_conv_norm_mish
-
-        weight = self.conv.weight
-        key = (weight.data_ptr(), weight.dtype, weight._version)
-        if self._taps_key != key:  # [taps, C_out, C_in], rebuilt only when the weight changes
-            self._taps = weight.detach().permute(2, 0, 1).contiguous()
-            self._taps_key = key
-        context = self.conv.kernel_size[0] - 1
-        prev = cache.take(x, context)
-        n = self.norm
-        y, updated = causal_conv_norm_mish(
-            x, prev, self._taps, self.conv.bias, (n.weight, n.bias, n.eps), add, cache.num_valid
-        )
-        if updated is not None:
-            cache.updated.append(updated)
-        return y
 
 
 class CausalResnetBlock(nn.Module):
@@ -114,7 +123,7 @@ class CausalResnetBlock(nn.Module):
         """x [B, C_in, T], time_bias [B, C_out] (`time_bias(t_emb)`) -> [B, C_out, T]."""
         h = self.block1(x, cache, add=time_bias)
         h = self.block2(h, cache)
-        return h + self.res_conv(x)
+        return h + pointwise_conv(self.res_conv, x)
 
 
 class ChunkTransformer(nn.Module):
@@ -137,14 +146,18 @@ class ChunkTransformer(nn.Module):
         self.ff = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
         self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/chunk_attention.py
         self.fuse_linears = True  # with use_triton: norms, linears, GELU, residuals fused (flow_fused.py)
+        self.fuse_norms = True  # with fuse_linears, above fused_max_rows: the norms (and an add) as kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C] -> [B, T, C] (frames as rows, so stacked blocks need no layout change between them);
         T must be a multiple of the chunk."""
         b, t, c = x.shape
         assert t % self.chunk == 0, (t, self.chunk)
-        if self.use_triton and x.is_cuda and self.fuse_linears and b * t <= self.fused_max_rows:
-            return self._forward_fused(x)
+        if self.use_triton and x.is_cuda and self.fuse_linears:
+            if b * t <= self.fused_max_rows:
+                return self._forward_fused(x)
+            if self.fuse_norms:
+                return self._forward_rows(x)
         h = x.reshape(b * t // self.chunk, self.chunk, c)  # [B*N, chunk, C]
         qkv = self.qkv(self.norm1(h))  # [B*N, chunk, 3*H*D]
         if self.use_triton and h.is_cuda:
@@ -158,6 +171,21 @@ class ChunkTransformer(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(h.shape[0], self.chunk, -1)
         h = h + self.out(a)
         h = h + self.ff(self.norm2(h))
+        return h.reshape(b, t, c)
+
+    def _forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The same block at many rows: cuBLAS's linears, the chunk attention kernel, and each LayerNorm in one
+        Triton pass, the second with the residual add before it (flow_fused.add_layer_norm)."""
+        from vocoder.kernels.chunk_attention import chunk_attention
+        from vocoder.kernels.flow_fused import add_layer_norm
+
+        b, t, c = x.shape
+        h = x.reshape(b * t, c)
+        n1, n2 = self.norm1, self.norm2
+        _, normed = add_layer_norm(h, None, (n1.weight, n1.bias, n1.eps))
+        a = chunk_attention(F.linear(normed, self.qkv.weight), self.num_heads, self.head_dim, self.chunk)
+        h, normed = add_layer_norm(h, self.out(a), (n2.weight, n2.bias, n2.eps))
+        h = h + self.ff(normed)
         return h.reshape(b, t, c)
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vocoder.config import HOP_LENGTH, BigVGANConfig
+from vocoder.layout import to_channels_last
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bigvgan imports huggingface_hub; never go online from here
 
@@ -97,12 +98,6 @@ def build_generator(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _time_major(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, T] (or a conv weight [O, I, K]) with the same values, stored with dim 1 contiguous: strides
-    (T*C, 1, C). A no-op for a tensor already stored so."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 class ChannelsLastConv1d(nn.Conv1d):
     """A Conv1d (same parameters) that runs as a conv2d over a [B, C, 1, T] view. On channels-last data
     that view is NHWC, which cuDNN's Hopper kernels take as is; conv1d itself makes every 3-d input
@@ -140,9 +135,9 @@ def use_channels_last(model: BigVGAN) -> int:
         if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise ValueError(f"channels-last convs take zero padding given as numbers, not {conv.padding!r}")
     for conv in convs:
-        conv.weight.data = _time_major(conv.weight.data)
+        conv.weight.data = to_channels_last(conv.weight.data)
         conv.__class__ = swaps[type(conv)]
-    model.register_forward_pre_hook(lambda _module, args: (_time_major(args[0]), *args[1:]))
+    model.register_forward_pre_hook(lambda _module, args: (to_channels_last(args[0]), *args[1:]))
     return len(convs)
 
 

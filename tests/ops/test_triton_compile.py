@@ -48,7 +48,7 @@ GEMV_SIG = _ptrs("x_ptr res_ptr nw_ptr res_out_ptr") | {"w_ptr": "*bf16", "s_ptr
                                                       "N": "i32", "K": "i32", "eps": "fp32"}
 LIN_SIG = _ptrs("x_ptr w_ptr b_ptr g_ptr beta_ptr r_ptr y_ptr") | {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
 CONV_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr g_ptr beta_ptr add_ptr") | {
-    "valid_ptr": "*i32", "y_ptr": "*bf16", "upd_ptr": "*bf16", "CI": "i32", "CO": "i32", "T": "i32",
+    "valid_ptr": "*i32", "y_ptr": "*bf16", "upd_ptr": "*bf16", "CO": "i32", "T": "i32",
     "add_stride": "i32", "eps": "fp32"}
 DECODE_SIG = _ptrs("q_ptr k_ptr v_ptr out_ptr qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr") | _ptrs(
     "part_acc_ptr part_ml_ptr", "*fp32") | {"tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32",
@@ -82,9 +82,13 @@ CASES = [
      {"BLOCK_N": 32, "BLOCK_K": 256}),
     ("flow_fused_linear", flow_fused._fused_linear_kernel, LIN_SIG,
      {"HAS_LN": True, "HAS_BIAS": True, "ACT": 1, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 256}),
-    ("flow_causal_conv_norm_mish", flow_fused._causal_conv_norm_mish_kernel, CONV_SIG,
-     {"HAS_CACHE": True, "HAS_ADD": True, "HAS_UPDATE": True, "IEEE": False, "CTX": 2, "BCO": 256, "BT": 16,
-      "BK": 32}),
+    *[(f"flow_causal_conv[norm_mish={nm},time_major={tm}]", flow_fused._causal_conv_norm_mish_kernel, CONV_SIG,
+       {"HAS_CACHE": True, "HAS_ADD": nm, "HAS_UPDATE": True, "NORM_MISH": nm, "TIME_MAJOR": tm, "IEEE": False,
+        "CI": 256, "CTX": 2, "BCO": 256, "BT": 16, "BK": 32})
+      for nm, tm in ((True, False), (True, True), (False, True))],
+    *[(f"flow_add_layer_norm[add={add}]", flow_fused._add_layer_norm_kernel,
+       _ptrs("x_ptr y_ptr g_ptr beta_ptr s_ptr n_ptr") | {"M": "i32", "eps": "fp32"},
+       {"C": 256, "BC": 256, "ROWS": 16, "HAS_ADD": add}) for add in (True, False)],
     ("chunk_attention", chunk_attention._chunk_attention_kernel, {"qkv_ptr": "*bf16", "out_ptr": "*bf16",
                                                                   "M": "i32", "scale": "fp32"},
      {"H": 8, "D": 64, "CHUNK": 4, "ROWS": 64}),

@@ -11,6 +11,13 @@ import torch
 from vocoder.config import HOP_LENGTH, BigVGANConfig, VocoderConfig
 from vocoder.flow import FlowDecoder
 from vocoder.flow_layers import ConvCache
+from vocoder.layout import (
+    cat_channels,
+    empty_channels_last,
+    is_channels_last,
+    pointwise_conv,
+    to_channels_last,
+)
 from vocoder.make_default_voice import make_voice
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, vocode
 from vocoder.noise import frame_noise
@@ -218,3 +225,47 @@ def test_conv_cache_take_hands_out_caches_in_call_order() -> None:
     assert torch.equal(cache.updated[0][1], torch.tensor([[1.0, 0.0]] * 3))  # row 1: old frame 1, new 0
     assert cache.take(x, 2) is caches[2]
     assert ConvCache().take(x, 2) is None
+
+
+def test_estimator_channels_last_keeps_layout_and_values() -> None:
+    """`FlowEstimator.channels_last` (set on CUDA with the Triton kernels) stores the activations channels-last:
+    the concatenations and 1x1 convs keep that layout (vocoder/layout.py), and the velocity and cache updates
+    equal those of channels-first input (here on CPU, where the causal convs are PyTorch's)."""
+    torch.manual_seed(3)
+    flow = FlowDecoder(VocoderConfig.preset("tiny").flow).eval()
+    x, mu, cond = (torch.randn(2, 80, 12) for _ in range(3))
+    spk, t = torch.randn(2, 80), torch.tensor([0.3, 0.3])
+    shapes = flow.cache_shapes()
+    caches = [torch.randn(2, c, ctx) for c, ctx in shapes]
+    out = {}
+    with torch.no_grad():
+        for channels_last in (False, True):
+            flow.estimator.channels_last = channels_last
+            cache = ConvCache(caches, torch.tensor([12, 7]))
+            out[channels_last] = (flow.estimator(x, mu, spk, cond, t, cache), cache.updated)
+    (v0, upd0), (v1, upd1) = out[False], out[True]
+    assert is_channels_last(v1)
+    torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert len(upd1) == len(upd0) == len(shapes)
+    for a, b in zip(upd1, upd0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_layout_helpers() -> None:
+    conv = torch.nn.Conv1d(6, 5, 1)
+    x = torch.randn(3, 7, 6).transpose(1, 2)  # [3, 6, 7] channels-last
+    assert is_channels_last(x) and not is_channels_last(x.contiguous())
+    assert is_channels_last(torch.randn(2, 4, 1)) and not is_channels_last(torch.randn(2, 1, 5))  # one frame: both
+    with torch.no_grad():
+        y = pointwise_conv(conv, x)
+        assert is_channels_last(y) and y.shape == (3, 5, 7)
+        torch.testing.assert_close(y, conv(x.contiguous()))
+        assert pointwise_conv(conv, x.contiguous()).is_contiguous()
+    z = torch.randn(3, 2, 7)
+    both = cat_channels([x, z])
+    assert is_channels_last(both) and torch.equal(both, torch.cat([x, z], dim=1))
+    assert cat_channels([z, x]).is_contiguous() and is_channels_last(cat_channels([z, x], channels_last=True))
+    y = to_channels_last(z)
+    assert is_channels_last(y) and torch.equal(y, z) and to_channels_last(y).data_ptr() == y.data_ptr()
+    e = empty_channels_last(2, 4, 3, z)
+    assert e.shape == (2, 4, 3) and is_channels_last(e)

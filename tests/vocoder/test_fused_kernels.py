@@ -153,3 +153,64 @@ def test_channels_last_activation_kernel_in_the_triton_interpreter() -> None:
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split()[-1]) < 2e-5  # float32, sums in another order
+
+
+CAUSAL_CONV_SCRIPT = """
+import torch
+from vocoder.flow_layers import CausalBlock, CausalConv1d, ConvCache
+from vocoder.layout import is_channels_last
+torch.manual_seed(0)
+torch.set_grad_enabled(False)
+worst = 0.0
+for (b, ci, co, t) in [(2, 48, 40, 20), (1, 32, 32, 5), (3, 24, 16, 1), (2, 16, 24, 17)]:
+    block, conv = CausalBlock(ci, co), CausalConv1d(ci, co, 3)
+    for p in [*block.parameters(), *conv.parameters()]:
+        p.data.normal_(0.0, 0.2)
+    x, add, hist = torch.randn(b, t, ci), torch.randn(b, co), torch.randn(b, ci, 2)
+    valid = torch.randint(1, t + 1, (b,))
+    for channels_last in (False, True):
+        xin = x.transpose(1, 2) if channels_last else x.transpose(1, 2).contiguous()
+        for caches, num_valid in (([hist, hist], valid), (None, None)):  # streaming, and a stream's start
+            got, ref = [], []
+            for fused, out in ((True, got), (False, ref)):
+                cache = ConvCache(caches, num_valid)
+                y1 = block.conv.forward_fused(xin, cache, block.norm, add) if fused else block(xin, cache, add)
+                y2 = conv.forward_fused(xin, cache) if fused else conv(xin, cache)
+                if fused:  # the output keeps the input's layout
+                    assert is_channels_last(y1) and is_channels_last(y2) if channels_last or t == 1 else (
+                        y1.is_contiguous() and y2.is_contiguous()), (y1.stride(), y2.stride())
+                out += [y1, y2, *cache.updated]
+            assert len(got) == len(ref) == (4 if caches else 2)
+            for g, r in zip(got, ref):
+                assert g.shape == r.shape, (g.shape, r.shape)
+                worst = max(worst, float((g - r).abs().max()))
+from vocoder.kernels.flow_fused import add_layer_norm
+for m, c in ((37, 256), (16, 48), (1, 40)):  # rows of the many-row transformer path; masked lanes, one row
+    norm = torch.nn.LayerNorm(c)
+    norm.weight.data.normal_(1.0, 0.2)
+    norm.bias.data.normal_(0.0, 0.2)
+    x, y = torch.randn(m, c) * 3.0, torch.randn(m, c)
+    s, n = add_layer_norm(x, y, (norm.weight, norm.bias, norm.eps))
+    assert torch.equal(s, x + y), "the residual sum"
+    worst = max(worst, float((n - norm(x + y)).abs().max()))
+    s0, n0 = add_layer_norm(x, None, (norm.weight, norm.bias, norm.eps))
+    assert s0.data_ptr() == x.data_ptr()
+    worst = max(worst, float((n0 - norm(x)).abs().max()))
+print(worst)
+"""
+
+
+def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
+    """The estimator's fused causal conv kernel (vocoder/kernels/flow_fused.py), with LayerNorm + Mish + time
+    bias (a CausalBlock) and without (a plain CausalConv1d), on channels-first and channels-last input, with a
+    stream's cache and at a stream's start, run by Triton's CPU interpreter against the PyTorch modules: the
+    same outputs and cache updates in float32, and each output stored in its input's layout. Then the
+    residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"TRITON_INTERPRET": "1",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", CAUSAL_CONV_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) < 2e-5  # float32, sums in another order

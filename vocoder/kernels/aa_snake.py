@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.launch import pdl_args, pdl_enter
+from vocoder.layout import is_channels_last
 
 
 @triton.jit
@@ -280,14 +281,6 @@ def _aa_snake_nwc_gather_kernel(
     t = t0 + rows
     mask = ((rows < R - 8) & (t < T))[:, None] & c_ok
     tl.store(y_ptr + b * T * C + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def is_channels_last(x: torch.Tensor) -> bool:
-    """x [B, C, T] stored time-major, channels contiguous (strides (T*C, 1, C)), as cuDNN's NHWC convs
-    leave a conv1d's output when its input and weight are so."""
-    bsz, channels, length = x.shape
-    return channels > 1 and x.stride(1) == 1 and (length == 1 or x.stride(2) == channels) and (
-        bsz == 1 or x.stride(0) == channels * length)
 
 
 def nwc_launch(channels: int) -> tuple[int, int, int]:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.launch import pdl_args, pdl_enter
+from vocoder.layout import empty_channels_last, is_channels_last
 
 _GELU_NONE, _GELU_ERF = 0, 1
 
@@ -157,6 +158,74 @@ def fused_linear(
     return y
 
 
+@triton.jit
+def _add_layer_norm_kernel(
+    x_ptr,
+    y_ptr,
+    g_ptr,
+    beta_ptr,
+    s_ptr,
+    n_ptr,
+    M,
+    eps,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BC)
+    mask = (r < M)[:, None] & (c < C)[None, :]
+    off = r[:, None].to(tl.int64) * C + c[None, :]
+    v = tl.load(x_ptr + off, mask=mask, other=0.0)
+    if HAS_ADD:  # the residual sum, rounded as the module's add stores it
+        v = (v.to(tl.float32) + tl.load(y_ptr + off, mask=mask, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + off, v, mask=mask)
+    v = v.to(tl.float32)
+    mean = tl.sum(v, 1) / C
+    d = tl.where(mask, v - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
+    g = tl.load(g_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    bb = tl.load(beta_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    tl.store(n_ptr + off, (d * rstd[:, None] * g[None, :] + bb[None, :]).to(n_ptr.dtype.element_ty), mask=mask)
+
+
+def add_layer_norm(
+    x: torch.Tensor, y: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, layer_norm(s)) with s = x + y (x itself when y is None), rows [M, C] in one pass: the residual add
+    and the next LayerNorm of an estimator transformer at many rows, where PyTorch's LayerNorm over 256
+    channels ran at a fifth of the copy bandwidth (bench/results/vocoder-flowcl-h200/)."""
+    assert x.dim() == 2 and (y is None or y.shape == x.shape), (x.shape, None if y is None else y.shape)
+    x = x.contiguous()
+    m, c = x.shape
+    s = x if y is None else torch.empty_like(x)
+    n = torch.empty_like(x)
+    if m == 0:
+        return s, n
+    gamma, beta, eps = norm
+    rows = 16
+    _add_layer_norm_kernel[(triton.cdiv(m, rows),)](
+        x,
+        y.contiguous() if y is not None else x,
+        gamma.contiguous(),
+        beta.contiguous(),
+        s,
+        n,
+        m,
+        float(eps),
+        C=c,
+        BC=triton.next_power_of_2(c),
+        ROWS=rows,
+        HAS_ADD=y is not None,
+        num_warps=4,
+        **pdl_args(),
+    )
+    return s, n
+
+
 SMALL_ROWS = 1024  # up to here the narrow tiles of the few-row steps
 # (BM, BN, BK, warps, stages) above SMALL_ROWS: among the best of bench/flow_linear_tiles.py's candidates, yet
 # slower than PyTorch's modules with a norm in front (bench/results/flow-linear-tiles-h200.json), which is why
@@ -174,11 +243,22 @@ def linear_tiles(m: int, k: int) -> tuple[int, int, int, int, int]:
 
 
 @triton.jit
-def _history_frames(x_row, cache_row, ci, ci_mask, src, T, HAS_CACHE: tl.constexpr, CTX: tl.constexpr):
-    """[channels ci, frames src] of one row's [cache | x]: src in [0, T) reads x, src in [-CTX, 0) the
-    cache (zeros without one: a stream's start); anything else reads 0."""
+def _frame_offsets(c, t, C, T, TIME_MAJOR: tl.constexpr):
+    """Offsets of [channels c, frames t] in one row of a [C, T] tensor stored channels-first ([C, T]
+    contiguous) or time-major ([T, C] contiguous, the transposed view the estimator carries)."""
+    if TIME_MAJOR:
+        return t[None, :] * C + c[:, None]
+    return c[:, None] * T + t[None, :]
+
+
+@triton.jit
+def _history_frames(
+    x_row, cache_row, ci, ci_mask, src, CI, T, HAS_CACHE: tl.constexpr, CTX: tl.constexpr, X_TM: tl.constexpr
+):
+    """[channels ci, frames src] of one row's [cache | x]: src in [0, T) reads x (time-major with X_TM),
+    src in [-CTX, 0) the cache ([CI, CTX], zeros without one: a stream's start); anything else reads 0."""
     v = tl.load(
-        x_row + ci[:, None] * T + src[None, :],
+        x_row + _frame_offsets(ci, src, CI, T, X_TM),
         mask=ci_mask[:, None] & ((src >= 0) & (src < T))[None, :],
         other=0.0,
     )
@@ -203,14 +283,16 @@ def _causal_conv_norm_mish_kernel(
     valid_ptr,
     y_ptr,
     upd_ptr,
-    CI,
     CO,
     T,
     add_stride,
     eps,
+    CI: tl.constexpr,
     HAS_CACHE: tl.constexpr,
     HAS_ADD: tl.constexpr,
     HAS_UPDATE: tl.constexpr,
+    NORM_MISH: tl.constexpr,
+    TIME_MAJOR: tl.constexpr,
     IEEE: tl.constexpr,
     CTX: tl.constexpr,
     BCO: tl.constexpr,
@@ -237,28 +319,31 @@ def _causal_conv_norm_mish_kernel(
                 mask=co_mask[:, None] & ci_mask[None, :],
                 other=0.0,
             )  # [BCO, BK] of tap j ([taps, C_out, C_in] layout)
-            v = _history_frames(x_row, cache_row, ci, ci_mask, src, T, HAS_CACHE, CTX)  # [BK, BT]
+            v = _history_frames(x_row, cache_row, ci, ci_mask, src, CI, T, HAS_CACHE, CTX, TIME_MAJOR)  # [BK, BT]
             if IEEE:
                 acc = tl.dot(w, v, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, v, acc)
     h = acc + tl.load(cb_ptr + co, mask=co_mask, other=0.0).to(tl.float32)[:, None]
-    h = h.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv's stored output
     mask = co_mask[:, None] & (t < T)[None, :]
-    h = tl.where(mask, h, 0.0)
-    mean = tl.sum(h, 0) / CO
-    d = tl.where(mask, h - mean[None, :], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / CO + eps)
-    g = tl.load(g_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
-    bb = tl.load(beta_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
-    h = (d * rstd[None, :] * g[:, None] + bb[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
-    sp = tl.where(h > 20.0, h, tl.log(1.0 + tl.exp(tl.minimum(h, 20.0))))  # softplus >= 0
-    e = tl.exp(-2.0 * sp)
-    y = h * (1.0 - e) / (1.0 + e)  # mish = h * tanh(softplus(h))
+    if NORM_MISH:
+        h = h.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv's stored output
+        h = tl.where(mask, h, 0.0)
+        mean = tl.sum(h, 0) / CO
+        d = tl.where(mask, h - mean[None, :], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / CO + eps)
+        g = tl.load(g_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+        bb = tl.load(beta_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+        h = (d * rstd[None, :] * g[:, None] + bb[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
+        sp = tl.where(h > 20.0, h, tl.log(1.0 + tl.exp(tl.minimum(h, 20.0))))  # softplus >= 0
+        e = tl.exp(-2.0 * sp)
+        y = h * (1.0 - e) / (1.0 + e)  # mish = h * tanh(softplus(h))
+    else:  # a plain causal conv
+        y = h
     if HAS_ADD:
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         y += tl.load(add_ptr + b * add_stride + co, mask=co_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + b * CO * T + co[:, None] * T + t[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + b * CO * T + _frame_offsets(co, t, CO, T, TIME_MAJOR), y.to(y_ptr.dtype.element_ty), mask=mask)
     if HAS_UPDATE:  # noqa: SIM102 - the row's new cache: the last CTX of [cache | x] before its padding
         if tl.program_id(1) == 0:
             nv = tl.load(valid_ptr + b)
@@ -267,7 +352,7 @@ def _causal_conv_norm_mish_kernel(
             for k0 in range(0, CI, BK):
                 ci = k0 + rk
                 ci_mask = ci < CI
-                u = _history_frames(x_row, cache_row, ci, ci_mask, src_u, T, HAS_CACHE, CTX)
+                u = _history_frames(x_row, cache_row, ci, ci_mask, src_u, CI, T, HAS_CACHE, CTX, TIME_MAJOR)
                 tl.store(upd_ptr + b * CI * CTX + ci[:, None] * CTX + c[None, :], u, mask=ci_mask[:, None])
 
 
@@ -276,33 +361,37 @@ def causal_conv_norm_mish(
     cache: torch.Tensor | None,
     taps: torch.Tensor,
     conv_bias: torch.Tensor,
-    norm: tuple[torch.Tensor, torch.Tensor, float],
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
     add: torch.Tensor | None = None,
     num_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The estimator's whole CausalBlock in one kernel: causal conv (kernel CTX + 1) over [cache | x],
-    LayerNorm over the channels of each frame, Mish, + add[b, c].
+    LayerNorm over the channels of each frame, Mish, + add[b, c]; with norm None only the conv (+ add).
 
-    x [B, C_in, T]; cache [B, C_in, CTX] or None (zeros: a stream's start); taps [CTX + 1, C_out, C_in]
+    x [B, C_in, T], channels-first or channels-last (`vocoder.layout`; the output [B, C_out, T] is stored the
+    same way, so the estimator's transformers, which work on frames as rows, need no copies around it);
+    cache [B, C_in, CTX] or None (zeros: a stream's start); taps [CTX + 1, C_out, C_in]
     (`conv.weight.permute(2, 0, 1)`); norm (weight, bias, eps) over C_out; num_valid [B]: new valid frames
     per row, for the updated cache (the last CTX frames of [cache | x] before row b's padding), returned
     as [B, C_in, CTX], or None without num_valid.
     """
-    assert x.is_cuda and x.dim() == 3 and taps.dim() == 3
-    x = x.contiguous()
+    assert x.dim() == 3 and taps.dim() == 3  # CUDA tensors (CPU ones under TRITON_INTERPRET=1, for tests)
+    time_major = is_channels_last(x)
+    if not time_major:
+        x = x.contiguous()
     b, ci, t = x.shape
     ctx, co = taps.shape[0] - 1, taps.shape[1]
     assert taps.shape[2] == ci and ctx >= 1 and ctx & (ctx - 1) == 0, (taps.shape, x.shape)
     if cache is not None:
         assert cache.shape == (b, ci, ctx), (cache.shape, (b, ci, ctx))
         cache = cache.to(x.dtype).contiguous()
-    y = torch.empty(b, co, t, device=x.device, dtype=x.dtype)
+    y = empty_channels_last(b, co, t, x) if time_major else torch.empty(b, co, t, device=x.device, dtype=x.dtype)
     upd = None if num_valid is None else torch.empty(b, ci, ctx, device=x.device, dtype=x.dtype)
     if add is not None:
         assert add.shape == (b, co), (add.shape, (b, co))
         if add.stride(1) != 1:
             add = add.contiguous()
-    gamma, beta, eps = norm
+    gamma, beta, eps = norm if norm is not None else (conv_bias, conv_bias, 0.0)
     bco = triton.next_power_of_2(co)
     bt = 16
     _causal_conv_norm_mish_kernel[(b, triton.cdiv(t, bt))](
@@ -316,14 +405,16 @@ def causal_conv_norm_mish(
         num_valid if num_valid is not None else x,
         y,
         upd if upd is not None else y,
-        ci,
         co,
         t,
         add.stride(0) if add is not None else 0,
         float(eps),
+        CI=ci,  # a compile-time loop bound (also what Triton's CPU interpreter needs)
         HAS_CACHE=cache is not None,
         HAS_ADD=add is not None,
         HAS_UPDATE=upd is not None,
+        NORM_MISH=norm is not None,
+        TIME_MAJOR=time_major,
         IEEE=x.dtype == torch.float32,
         CTX=ctx,
         BCO=bco,
