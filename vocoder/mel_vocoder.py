@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vocoder.config import HOP_LENGTH, BigVGANConfig
-from vocoder.layout import to_channels_last
+from vocoder.kernels import HAS_TRITON
+from vocoder.layout import is_channels_last, to_channels_last
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bigvgan imports huggingface_hub; never go online from here
 
@@ -104,9 +105,10 @@ class ChannelsLastConv1d(nn.Conv1d):
     contiguous (channels-first) before it reaches cuDNN, which then converts it back."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]), (0, self.padding[0]),
+        bias, late = _split_bias(self.bias, x)
+        y = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), bias, (1, self.stride[0]), (0, self.padding[0]),
                      (1, self.dilation[0]), self.groups)
-        return y.squeeze(2)
+        return _add_late_bias(y.squeeze(2), late)
 
 
 class ChannelsLastConvTranspose1d(nn.ConvTranspose1d):
@@ -114,10 +116,29 @@ class ChannelsLastConvTranspose1d(nn.ConvTranspose1d):
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         assert output_size is None, "bigvgan does not pass output_size"
-        y = F.conv_transpose2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]),
+        bias, late = _split_bias(self.bias, x)
+        y = F.conv_transpose2d(x.unsqueeze(2), self.weight.unsqueeze(2), bias, (1, self.stride[0]),
                                (0, self.padding[0]), (0, self.output_padding[0]), self.groups,
                                (1, self.dilation[0]))
-        return y.squeeze(2)
+        return _add_late_bias(y.squeeze(2), late)
+
+
+def _split_bias(bias: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bias for the conv call, bias to add after it): on CUDA with Triton the bias is added by
+    `vocoder.kernels.channel_bias` (PyTorch's own broadcast add after cuDNN is slow on channels-last data)."""
+    if bias is not None and x.is_cuda and HAS_TRITON:
+        return None, bias
+    return bias, None
+
+
+def _add_late_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return y
+    if not is_channels_last(y):  # a one-channel output (conv_post): nothing to gain
+        return y.add_(bias[:, None])
+    from vocoder.kernels.channel_bias import add_channel_bias_
+
+    return add_channel_bias_(y, bias)
 
 
 def use_channels_last(model: BigVGAN) -> int:

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from runtime.kernels import elementwise, fp8_gemv, gemv, paged_attention
-from vocoder.kernels import aa_snake, chunk_attention, flow_fused
+from vocoder.kernels import aa_snake, channel_bias, chunk_attention, flow_fused
 
 HOPPER, ADA = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 89, 32)
 
@@ -89,6 +89,8 @@ CASES = [
     *[(f"flow_add_layer_norm[add={add}]", flow_fused._add_layer_norm_kernel,
        _ptrs("x_ptr y_ptr g_ptr beta_ptr s_ptr n_ptr") | {"M": "i32", "eps": "fp32"},
        {"C": 256, "BC": 256, "ROWS": 16, "HAS_ADD": add}) for add in (True, False)],
+    *[(f"channel_bias[C={c}]", channel_bias._channel_bias_kernel, {"y_ptr": "*bf16", "b_ptr": "*bf16", "R": "i32"},
+       {"C": c, "BC": bc, "ROWS": 4096 // bc}) for c, bc in ((24, 32), (768, 1024))],
     ("chunk_attention", chunk_attention._chunk_attention_kernel, {"qkv_ptr": "*bf16", "out_ptr": "*bf16",
                                                                   "M": "i32", "scale": "fp32"},
      {"H": 8, "D": 64, "CHUNK": 4, "ROWS": 64}),

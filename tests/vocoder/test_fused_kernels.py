@@ -196,6 +196,12 @@ for m, c in ((37, 256), (16, 48), (1, 40)):  # rows of the many-row transformer 
     s0, n0 = add_layer_norm(x, None, (norm.weight, norm.bias, norm.eps))
     assert s0.data_ptr() == x.data_ptr()
     worst = max(worst, float((n0 - norm(x)).abs().max()))
+from vocoder.kernels.channel_bias import add_channel_bias_
+for b, c, t in ((2, 24, 33), (1, 96, 5), (3, 40, 1)):  # BigVGAN conv outputs: masked lanes, one frame
+    y = torch.randn(b, t, c).transpose(1, 2)
+    bias = torch.randn(c)
+    want = y + bias[:, None]
+    assert add_channel_bias_(y, bias) is y and torch.equal(y, want), "the bias add"
 print(worst)
 """
 
@@ -205,7 +211,8 @@ def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
     bias (a CausalBlock) and without (a plain CausalConv1d), on channels-first and channels-last input, with a
     stream's cache and at a stream's start, run by Triton's CPU interpreter against the PyTorch modules: the
     same outputs and cache updates in float32, and each output stored in its input's layout. Then the
-    residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`."""
+    residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`, and
+    BigVGAN's channels-last conv bias add against PyTorch's."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"TRITON_INTERPRET": "1",
