@@ -16,7 +16,9 @@
 # vocoder warm-up of serve-h200.yaml), OPEN_RATES (comma separated arrivals per second: open-loop runs
 # over Serve after the closed loop, each OPEN_DURATION seconds of arrivals, default 30), STEADY_LEVELS /
 # STEADY_REQUESTS / RAMP_S (a second closed loop over Serve whose workers' first requests are spread over
-# RAMP_S seconds: steady state instead of a burst; none by default), PIPE_RAMP_S (the same for pipeline.py).
+# RAMP_S seconds: steady state instead of a burst; none by default), PIPE_RAMP_S (the same for pipeline.py),
+# MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
+# processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -85,6 +87,18 @@ PLOT=1
 } > "$OUT/env.txt" 2>&1
 cp "$CONFIG" "$OUT/serve-config.yaml"
 
+MPS_UP=0
+if [ "${MPS:-0}" = 1 ] && [ "$MODE" = gpu ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d >> "$OUT/log.txt" 2>&1 \
+      && "$PY" -c 'import torch; torch.ones(1, device="cuda").sum().item()' >> "$OUT/log.txt" 2>&1; then
+    MPS_UP=1; log "MPS control daemon up (pipe $CUDA_MPS_PIPE_DIRECTORY)"; echo "mps: on" >> "$OUT/env.txt"
+  else
+    log "FATAL: MPS requested but a CUDA process could not start under it (see log.txt)"
+    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; exit 4
+  fi
+fi
 GPU_LOG_PID=""
 if [ "$MODE" = gpu ] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -l 2 \
@@ -100,7 +114,13 @@ stop_serve() {
   wait "$SERVE_PID" 2>/dev/null
   SERVE_PID=""
 }
-cleanup() { stop_serve; [ -n "$GPU_LOG_PID" ] && kill "$GPU_LOG_PID" 2>/dev/null; log "done"; }
+cleanup() {
+  stop_serve; [ -n "$GPU_LOG_PID" ] && kill "$GPU_LOG_PID" 2>/dev/null
+  if [ "$MPS_UP" = 1 ]; then
+    echo quit | nvidia-cuda-mps-control; cp /tmp/mps-log/*.log "$OUT/" 2>/dev/null; log "MPS daemon stopped"
+  fi
+  log "done"
+}
 trap cleanup EXIT
 
 # ---- 1. Serve on 127.0.0.1, then the HTTP client at every concurrency level ----
