@@ -190,7 +190,8 @@ class ChunkTransformer(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """The same block in 5 Triton kernels (vocoder/kernels/flow_fused.py): LN1+QKV, chunk attention,
-        out+residual, LN2+FF1+GELU, FF2+residual."""
+        out+residual, LN2+FF1+GELU, FF2+residual. (The attention inside the out projection's programs, each
+        recomputing it for its rows, was slower: bench/results/vocoder-attn-out-h200/.)"""
         from vocoder.kernels.chunk_attention import chunk_attention
         from vocoder.kernels.flow_fused import fused_linear
 

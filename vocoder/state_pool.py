@@ -89,6 +89,15 @@ class FlowStatePool:
             out.append(x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3]))
         return out
 
+    def read_steps(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Caches of every Euler step for `slots` [B]: per layer [num_steps, branches*B, C, ctx] (step k's
+        rows as `read(slots, k)` gives them), two kernels per layer instead of two per layer and step."""
+        out = []
+        for t in self.tensors:
+            x = t[slots]  # [B, steps, branches, C, ctx]
+            out.append(x.permute(1, 2, 0, 3, 4).reshape(self.num_steps, -1, x.shape[3], x.shape[4]))
+        return out
+
     def write(self, slots: torch.Tensor, step: int, caches: list[torch.Tensor]) -> None:
         """Inverse of `read`."""
         assert len(caches) == len(self.tensors)

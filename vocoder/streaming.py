@@ -520,7 +520,8 @@ class StreamingVocoder:
 
         -> mel [B, 80, T] and per conv layer the caches of all Euler steps [K, branches*B, C, ctx].
         """
-        caches = [self.pool.read(slots, k) for k in range(self.config.flow.num_steps)]
+        per_layer = self.pool.read_steps(slots)  # [K, branches*B, C, ctx] per layer
+        caches = [[layer[k] for layer in per_layer] for k in range(self.config.flow.num_steps)]
         mel, new_caches = self.flow.solve(mu, speaker, cond, noise, caches, valid)
         return mel, [torch.stack(layer) for layer in zip(*new_caches)]
 

@@ -46,7 +46,7 @@ def _ptrs(names: str, ty: str = "*bf16") -> dict[str, str]:
 
 GEMV_SIG = _ptrs("x_ptr res_ptr nw_ptr res_out_ptr") | {"w_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*bf16",
                                                       "N": "i32", "K": "i32", "eps": "fp32"}
-LIN_SIG = _ptrs("x_ptr w_ptr b_ptr g_ptr beta_ptr r_ptr y_ptr") | {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
+LIN_SIG = _ptrs("x_ptr w_ptr b_ptr g_ptr beta_ptr r_ptr y_ptr") | {"M": "i32", "N": "i32", "eps": "fp32"}
 CONV_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr g_ptr beta_ptr add_ptr") | {
     "valid_ptr": "*i32", "y_ptr": "*bf16", "upd_ptr": "*bf16", "CO": "i32", "T": "i32",
     "add_stride": "i32", "eps": "fp32"}
@@ -81,7 +81,8 @@ CASES = [
                                                       "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
      {"BLOCK_N": 32, "BLOCK_K": 256}),
     ("flow_fused_linear", flow_fused._fused_linear_kernel, LIN_SIG,
-     {"HAS_LN": True, "HAS_BIAS": True, "ACT": 1, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32, "BK": 256}),
+     {"K": 256, "HAS_LN": True, "HAS_BIAS": True, "ACT": 1, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32,
+      "BK": 256}),
     *[(f"flow_causal_conv[norm_mish={nm},time_major={tm}]", flow_fused._causal_conv_norm_mish_kernel, CONV_SIG,
        {"HAS_CACHE": True, "HAS_ADD": nm, "HAS_UPDATE": True, "NORM_MISH": nm, "TIME_MAJOR": tm, "IEEE": False,
         "CI": 256, "CTX": 2, "BCO": 256, "BT": 16, "BK": 32})

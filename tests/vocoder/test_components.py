@@ -156,6 +156,12 @@ def test_state_pool_grows_and_keeps_slots() -> None:
     pool.reserve(5)
     assert (pool.capacity, pool.generation, pool.num_used) == (5, 2, 2)
     assert torch.equal(pool.read(torch.tensor([b]), 0)[0], torch.full((2, 3, 2), 3.0))
+    both = torch.tensor([b, a])
+    pool.write(both, 1, [torch.randn(4, 3, 2), torch.randn(4, 5, 1)])  # step 1 differs per row and branch
+    for layer, stacked in enumerate(pool.read_steps(both)):  # every step at once, as `read` gives each
+        assert stacked.shape[0] == pool.num_steps
+        for k in range(pool.num_steps):
+            assert torch.equal(stacked[k], pool.read(both, k)[layer])
     assert [pool.allocate() for _ in range(3)] == [2, 3, 4] and pool.generation == 2
 
 

@@ -196,6 +196,22 @@ for m, c in ((37, 256), (16, 48), (1, 40)):  # rows of the many-row transformer 
     s0, n0 = add_layer_norm(x, None, (norm.weight, norm.bias, norm.eps))
     assert s0.data_ptr() == x.data_ptr()
     worst = max(worst, float((n0 - norm(x)).abs().max()))
+from vocoder.flow_layers import ChunkTransformer
+from vocoder.kernels.flow_fused import fused_linear
+block = ChunkTransformer(48, 2, 16, 4, 4)  # the few-row fused linears, against the block's own modules
+for p in block.parameters():
+    p.data.normal_(0.0, 0.2)
+for m in (40, 7):
+    x, f, r = torch.randn(m, 48), torch.randn(m, 192), torch.randn(m, 48)
+    n1, n2, ff = block.norm1, block.norm2, block.ff
+    pairs = [
+        (fused_linear(x, block.qkv.weight, norm=(n1.weight, n1.bias, n1.eps)), block.qkv(n1(x))),
+        (fused_linear(x, ff[0].weight, ff[0].bias, norm=(n2.weight, n2.bias, n2.eps), gelu=True), ff[1](ff[0](n2(x)))),
+        (fused_linear(f, ff[2].weight, ff[2].bias, residual=r), ff[2](f) + r),
+    ]
+    for g, w in pairs:
+        assert g.shape == w.shape
+        worst = max(worst, float((g - w).abs().max()))
 from vocoder.kernels.channel_bias import add_channel_bias_
 for b, c, t in ((2, 24, 33), (1, 96, 5), (3, 40, 1)):  # BigVGAN conv outputs: masked lanes, one frame
     y = torch.randn(b, t, c).transpose(1, 2)
@@ -211,8 +227,9 @@ def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
     bias (a CausalBlock) and without (a plain CausalConv1d), on channels-first and channels-last input, with a
     stream's cache and at a stream's start, run by Triton's CPU interpreter against the PyTorch modules: the
     same outputs and cache updates in float32, and each output stored in its input's layout. Then the
-    residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`, and
-    BigVGAN's channels-last conv bias add against PyTorch's."""
+    residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`, the
+    few-row fused linears (LN + QKV, LN + FF1 + GELU) against the transformer block's modules, and BigVGAN's
+    channels-last conv bias add against PyTorch's."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"TRITON_INTERPRET": "1",

@@ -41,8 +41,8 @@ def _fused_linear_kernel(
     y_ptr,
     M,
     N,
-    K,
     eps,
+    K: tl.constexpr,
     HAS_LN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
@@ -111,10 +111,11 @@ def fused_linear(
     reading its rows whole (K <= 256 with a norm) or in 256-wide slices. `tiles` = (BM, BN, BK, warps,
     stages) overrides `linear_tiles` (bench/flow_linear_tiles.py sweeps them).
     """
-    assert x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    assert x.dim() == 2 and weight.dim() == 2  # CUDA tensors (CPU ones under TRITON_INTERPRET=1, for tests)
     x, weight = x.contiguous(), weight.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.shape[1] == k, (x.shape, weight.shape)
     assert k % 16 == 0, k
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
@@ -141,8 +142,8 @@ def fused_linear(
         y,
         m,
         n,
-        k,
         float(eps),
+        K=k,  # a compile-time loop bound (also what Triton's CPU interpreter needs)
         HAS_LN=norm is not None,
         HAS_BIAS=bias is not None,
         ACT=_GELU_ERF if gelu else _GELU_NONE,
