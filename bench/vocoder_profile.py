@@ -234,6 +234,14 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
         xt = x.transpose(1, 2)  # [1, 256, rows] stored channels-last
         row["causal_block_channels_last_us"] = round(
             graph_us_per_call([lambda x=xt, add=add: causal(x, ConvCache(), add)] * 200), 2)
+        from vocoder.kernels import flow_fused
+
+        default_bk = flow_fused.CONV_BK
+        for bk in (64, 128):  # input channels per step of the conv kernel
+            flow_fused.CONV_BK = bk
+            row[f"causal_block_channels_last_bk{bk}_us"] = round(
+                graph_us_per_call([lambda x=xt, add=add: causal(x, ConvCache(), add)] * 200), 2)
+        flow_fused.CONV_BK = default_bk
         block.fused_max_rows = 1 << 30
         out[str(rows)] = row
     return out

@@ -80,9 +80,9 @@ CASES = [
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                                                       "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
      {"BLOCK_N": 32, "BLOCK_K": 256}),
-    ("flow_fused_linear", flow_fused._fused_linear_kernel, LIN_SIG,
-     {"K": 256, "HAS_LN": True, "HAS_BIAS": True, "ACT": 1, "HAS_RES": True, "IEEE": False, "BM": 16, "BN": 32,
-      "BK": 256}),
+    *[(f"flow_fused_linear[early_w={early},k={k}]", flow_fused._fused_linear_kernel, LIN_SIG,
+       {"K": k, "HAS_LN": k == 256, "HAS_BIAS": True, "ACT": int(k == 256), "HAS_RES": k > 256, "IEEE": False,
+        "BM": 16, "BN": 32, "BK": 256, "EARLY_W": early}) for early in (True, False) for k in (256, 1024)],
     *[(f"flow_causal_conv[norm_mish={nm},time_major={tm}]", flow_fused._causal_conv_norm_mish_kernel, CONV_SIG,
        {"HAS_CACHE": True, "HAS_ADD": nm, "HAS_UPDATE": True, "NORM_MISH": nm, "TIME_MAJOR": tm, "IEEE": False,
         "CI": 256, "CTX": 2, "BCO": 256, "BT": 16, "BK": 32})

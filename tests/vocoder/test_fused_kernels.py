@@ -208,6 +208,7 @@ for m in (40, 7):
         (fused_linear(x, block.qkv.weight, norm=(n1.weight, n1.bias, n1.eps)), block.qkv(n1(x))),
         (fused_linear(x, ff[0].weight, ff[0].bias, norm=(n2.weight, n2.bias, n2.eps), gelu=True), ff[1](ff[0](n2(x)))),
         (fused_linear(f, ff[2].weight, ff[2].bias, residual=r), ff[2](f) + r),
+        (fused_linear(x4 := torch.randn(m, 768), w4 := torch.randn(48, 768) * 0.05), x4 @ w4.T),  # 3 K steps
     ]
     for g, w in pairs:
         assert g.shape == w.shape

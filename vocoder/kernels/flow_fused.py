@@ -52,8 +52,8 @@ def _fused_linear_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_W: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     # With HAS_LN, BK == K: the program holds whole rows, so the norm's statistics need no second read.
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -62,6 +62,17 @@ def _fused_linear_kernel(
     n_mask = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * K
     w_cols = w_ptr + rn[None, :].to(tl.int64) * K
+    # Parameters do not depend on the previous kernel: with EARLY_W the first weight tile, the norm's and the
+    # bias's values are fetched before waiting for it (programmatic dependent launch lets this program start
+    # while that kernel drains), and each next weight tile one step ahead.
+    if EARLY_W:
+        w_next = tl.load(w_cols + rk[:, None], mask=(rk < K)[:, None] & n_mask[None, :], other=0.0)
+    if HAS_LN:
+        g = tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        bb = tl.load(beta_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         k_mask = (k0 + rk) < K
@@ -71,17 +82,20 @@ def _fused_linear_kernel(
             mean = tl.sum(xf, 1) / K
             d = tl.where(k_mask[None, :], xf - mean[:, None], 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / K + eps)
-            g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-            bb = tl.load(beta_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
             x = (d * rstd[:, None] * g[None, :] + bb[None, :]).to(w_ptr.dtype.element_ty)
-        w = tl.load(w_cols + (k0 + rk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # W^T tile
+        if EARLY_W:
+            w = w_next
+            nk = k0 + BK + rk
+            w_next = tl.load(w_cols + nk[:, None], mask=(nk < K)[:, None] & n_mask[None, :], other=0.0)
+        else:
+            w = tl.load(w_cols + (k0 + rk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # W^T
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
     y = acc
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y += bias[None, :]
     y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the linear's stored output
     if ACT == 1:  # exact GELU (nn.GELU default)
         y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
@@ -152,6 +166,7 @@ def fused_linear(
         BM=bm,
         BN=bn,
         BK=bk,
+        EARLY_W=m <= SMALL_ROWS,  # the narrow few-row tiles; GEMM-sized ones leave it to Triton's pipelining
         num_warps=warps,
         num_stages=stages,
         **pdl_args(),
@@ -357,6 +372,9 @@ def _causal_conv_norm_mish_kernel(
                 tl.store(upd_ptr + b * CI * CTX + ci[:, None] * CTX + c[None, :], u, mask=ci_mask[:, None])
 
 
+CONV_BK = 32  # input channels per step of the causal conv kernel (bench/vocoder_profile.py times others)
+
+
 def causal_conv_norm_mish(
     x: torch.Tensor,
     cache: torch.Tensor | None,
@@ -420,7 +438,7 @@ def causal_conv_norm_mish(
         CTX=ctx,
         BCO=bco,
         BT=bt,
-        BK=32,
+        BK=CONV_BK,
         num_warps=8,
         **pdl_args(),
     )
