@@ -105,20 +105,15 @@ def copy_vocoder(
         pdl=pdl,
         channels_last=channels_last,
     )
-    if not flow_channels_last or not flow_fusion:
+    plain_convs = not flow_channels_last or not flow_fusion  # the down/up convs in PyTorch, channels-first
+    if plain_convs:
         voc.flow.estimator.channels_last = False
-        for module in voc.flow.estimator.modules():
-            if type(module) is CausalConv1d:
-                module.use_triton = False
     for module in voc.flow.estimator.modules():
         if isinstance(module, ChunkTransformer):
             module.fuse_norms = flow_norms
-    if not flow_fusion:  # as before vocoder/kernels/flow_fused.py: PyTorch convs and linears
-        for module in voc.flow.estimator.modules():
-            if isinstance(module, ChunkTransformer):
-                module.fuse_linears = False
-            elif isinstance(module, (CausalBlock, CausalConv1d)):
-                module.use_triton = False
+            module.fuse_linears = module.fuse_linears and flow_fusion
+        elif (type(module) is CausalConv1d and plain_convs) or (isinstance(module, CausalBlock) and not flow_fusion):
+            module.use_triton = False  # without flow_fusion: the estimator as before vocoder/kernels/flow_fused.py
     return voc
 
 

@@ -209,6 +209,7 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
         return {}
     from bench.fast_tools import graph_us_per_call
     from vocoder.flow_layers import CausalBlock, ChunkTransformer, ConvCache
+    from vocoder.kernels import flow_fused
 
     torch.manual_seed(3)
     block = ChunkTransformer(256, 8, 64, 4, 4).to(device, dtype)
@@ -234,8 +235,6 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
         xt = x.transpose(1, 2)  # [1, 256, rows] stored channels-last
         row["causal_block_channels_last_us"] = round(
             graph_us_per_call([lambda x=xt, add=add: causal(x, ConvCache(), add)] * 200), 2)
-        from vocoder.kernels import flow_fused
-
         default_bk = flow_fused.CONV_BK
         for bk in (64, 128):  # input channels per step of the conv kernel
             flow_fused.CONV_BK = bk

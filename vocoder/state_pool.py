@@ -83,15 +83,11 @@ class FlowStatePool:
 
     def read(self, slots: torch.Tensor, step: int) -> list[torch.Tensor]:
         """Caches of Euler step `step` for `slots` [B]: list of [branches*B, C, ctx], branch-major rows."""
-        out = []
-        for t in self.tensors:
-            x = t[slots, step]  # [B, branches, C, ctx]
-            out.append(x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3]))
-        return out
+        return [layer[step] for layer in self.read_steps(slots)]
 
     def read_steps(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        """Caches of every Euler step for `slots` [B]: per layer [num_steps, branches*B, C, ctx] (step k's
-        rows as `read(slots, k)` gives them), two kernels per layer instead of two per layer and step."""
+        """Caches of every Euler step for `slots` [B]: per layer [num_steps, branches*B, C, ctx], rows
+        branch-major; two kernels per layer, whatever the number of steps (the flow solve reads them so)."""
         out = []
         for t in self.tensors:
             x = t[slots]  # [B, steps, branches, C, ctx]

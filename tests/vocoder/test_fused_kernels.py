@@ -119,6 +119,19 @@ def test_channels_last_needs_the_triton_kernels() -> None:
     assert StreamingVocoder.from_preset("tiny").channels_last is False  # CPU
 
 
+def _interpreter_worst(script: str) -> float:
+    """Run `script` in a fresh process under Triton's CPU interpreter (chosen when the kernels are defined)
+    and return the worst difference it prints last."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"TRITON_INTERPRET": "1",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return float(proc.stdout.split()[-1])
+
+
 NWC_SCRIPT = """
 import sys, torch
 from vocoder.kernels import aa_snake as m
@@ -145,14 +158,7 @@ def test_channels_last_activation_kernel_in_the_triton_interpreter() -> None:
     process: the interpreter is chosen when the kernels are defined) against `aa_snake_reference`: tiles of
     32/64 channels with masked lanes (40 channels), one-frame rows, replicate edges, rows spanning several
     gathering programs (130 frames, 56 per program)."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"TRITON_INTERPRET": "1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", NWC_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert float(proc.stdout.split()[-1]) < 2e-5  # float32, sums in another order
+    assert _interpreter_worst(NWC_SCRIPT) < 2e-5  # float32, sums in another order
 
 
 CAUSAL_CONV_SCRIPT = """
@@ -231,11 +237,4 @@ def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
     residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`, the
     few-row fused linears (LN + QKV, LN + FF1 + GELU) against the transformer block's modules, and BigVGAN's
     channels-last conv bias add against PyTorch's."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"TRITON_INTERPRET": "1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", CAUSAL_CONV_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert float(proc.stdout.split()[-1]) < 2e-5  # float32, sums in another order
+    assert _interpreter_worst(CAUSAL_CONV_SCRIPT) < 2e-5  # float32, sums in another order
