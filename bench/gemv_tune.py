@@ -129,7 +129,7 @@ class StepBench:
 
         weights, one_row = STEP_MODES[mode]
         fast = FastForward(self.weights[weights], TritonOps(), one_row=one_row, pdl=self.pdl)
-        runner = DecodeGraphRunner(fast, self.cache, max_model_len=1024, buckets=[1])
+        runner = DecodeGraphRunner(fast, self.cache, max_model_len=1024, buckets=[1], audio_only=False)
         runner.capture()
         logits = tuple(x.clone() for x in runner.run(*self.run_args))
         ms = time_ms(runner.graphs[1].replay, 3, 20)["median_ms"]

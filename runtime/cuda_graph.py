@@ -22,21 +22,21 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 def capture_step(
-    forward: FastForward, step: StepInputs, kv_cache: KVCache, pool: tuple[int, int] | None,
-) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
-    """Warm `forward(step)` up on a side stream, then capture it into a graph sharing `pool`
-    -> (graph, its static (text, audio) logits)."""
+    forward: FastForward, step: StepInputs, kv_cache: KVCache, pool: tuple[int, int] | None, *, text: bool = True,
+) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor | None, torch.Tensor]]:
+    """Warm `forward(step, text=text)` up on a side stream, then capture it into a graph sharing `pool`
+    -> (graph, its static (text, audio) logits; text None when `text` is False)."""
     device = kv_cache.k.device
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):  # compile / autotune kernels and create library handles outside capture
-            forward(step, kv_cache)
+            forward(step, kv_cache, text=text)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread of this process (a vocoder, say) may use CUDA meanwhile.
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = forward(step, kv_cache)
+        outputs = forward(step, kv_cache, text=text)
     return graph, outputs
 
 
@@ -45,9 +45,12 @@ class DecodeGraphRunner:
 
     def __init__(
         self, forward: FastForward, kv_cache: KVCache, *, max_model_len: int,
-        buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool | None = None,
+        buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool | None = None, audio_only: bool = True,
     ) -> None:
+        """`audio_only`: also capture each bucket's audio-only step (`FastForward(text=False)`: no text
+        head, for steps whose rows all sample in audio mode), which `run(text=False)` replays."""
         self.forward = forward
+        self.audio_only = audio_only
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
         self.buckets = sorted({int(b) for b in buckets})
@@ -66,7 +69,9 @@ class DecodeGraphRunner:
         self.query_start = torch.arange(largest + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(largest, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.audio_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> audio-only step
+        self.audio_outputs: dict[int, torch.Tensor] = {}
 
     @property
     def max_batch(self) -> int:
@@ -98,6 +103,10 @@ class DecodeGraphRunner:
             graph, self.outputs[bucket] = capture_step(self.forward, self._step(bucket), self.kv_cache, pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
+            if self.audio_only:
+                graph, (_, self.audio_outputs[bucket]) = capture_step(
+                    self.forward, self._step(bucket), self.kv_cache, pool, text=False)
+                self.audio_graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
 
     def _reset_padding(self, start: int) -> None:
@@ -111,11 +120,12 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def run(
         self, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, *, text: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One decode step of b sequences -> (text_logits [b, Vt], audio_logits [b, Va]) float32.
 
         tokens, is_audio, positions, slot_mapping, seq_lens: [b]; block_tables [b, w] (w <= max blocks).
+        `text=False`: an audio-only step (text logits None; the cache is written exactly as by a whole step).
         The returned logits live in the graph's static output: read them before the next `run`.
         """
         batch = tokens.shape[0]
@@ -130,17 +140,21 @@ class DecodeGraphRunner:
         self.block_tables[:batch, :width].copy_(block_tables)
         self.seq_lens[:batch].copy_(seq_lens)
         self._reset_padding(batch)
+        if not text and bucket in self.audio_graphs:
+            self.audio_graphs[bucket].replay()
+            return None, self.audio_outputs[bucket][:batch]
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-            text, audio = self.outputs[bucket]
+            text_logits, audio = self.outputs[bucket]
         else:
-            text, audio = self.forward(self._step(bucket), self.kv_cache)
-        return text[:batch], audio[:batch]
+            text_logits, audio = self.forward(self._step(bucket), self.kv_cache, text=text)
+        return (text_logits[:batch] if text and text_logits is not None else None), audio[:batch]
 
     def run_lists(
         self, tokens: Sequence[int], is_audio: Sequence[bool], positions: Sequence[int],
         slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        *, text: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`run` from host lists (what the model runner has); block tables may differ in length."""
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
@@ -151,7 +165,7 @@ class DecodeGraphRunner:
             torch.tensor(list(positions), dtype=torch.long).to(dev),
             torch.tensor(list(slot_mapping), dtype=torch.long).to(dev),
             tables.to(dev),
-            torch.tensor(list(seq_lens), dtype=torch.int32).to(dev),
+            torch.tensor(list(seq_lens), dtype=torch.int32).to(dev), text=text,
         )
 
 

@@ -58,6 +58,8 @@ class EngineConfig:
     queue_timeout_s: float = 300.0  # a request waiting longer ends with Finished("error")
     fast_path: bool = False  # fused weights + fused ops; decode steps in CUDA graphs on CUDA
     fp8_scope: str | None = None  # fast path only: FP8 weights for "shared" | "layers" | "all" (docs/gpu.md)
+    # fast path only: decode steps with no row in text mode skip the text head (ModelRunner, docs/gpu.md)
+    audio_only_steps: bool = True
     # Real-time pacing: seconds of audio a stream may run ahead of real time (None: as fast as possible).
     # See SchedulerConfig.pacing_lead_codes and docs/engine.md.
     pacing_lead_s: float | None = None
@@ -203,7 +205,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
         self.runner = ModelRunner(
             model, kv_cache, fast_path=config.fast_path, max_model_len=config.max_model_len,
-            max_num_running=config.max_num_running, weights=weights,
+            max_num_running=config.max_num_running, weights=weights, audio_only_steps=config.audio_only_steps,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0

@@ -66,7 +66,8 @@ ONE_ROW_MODES = ("cublas", "gemv", "mixed", "mixed2")
 
 
 class FastForward:
-    """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`, float32 like the model."""
+    """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`, float32 like the model
+    (`text=False`: text logits None, see __call__)."""
 
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
@@ -138,16 +139,20 @@ class FastForward:
 
     def _layer(
         self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
-        kv_cache: KVCache,
+        kv_cache: KVCache, *, kv_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer; returns (mlp output, residual before it): the layer output is their sum."""
+        """One decoder layer; returns (mlp output, residual before it): the layer output is their sum.
+        `kv_only`: stop once the rows' K/V are in the cache (no attention; nothing after would be read) and
+        return the input unchanged; the K/V stores are the kernels the whole layer runs, so they are bit-equal."""
         cfg, ops = self.config, self.ops
         n = x.shape[0]
         if self.one_row != "cublas" and n == 1:
-            return self._layer_one_row(layer, x, residual, step, kv_cache)
+            return self._layer_one_row(layer, x, residual, step, kv_cache, kv_only=kv_only)
         h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
         qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
-        attn = self._attention(layer, qkv, step, kv_cache)  # [N, H, D]
+        attn = self._attention(layer, qkv, step, kv_cache, store_only=kv_only)  # [N, H, D]
+        if attn is None:
+            return x, residual
         o = self._linear(attn.reshape(n, cfg.num_attention_heads * cfg.head_dim), layer.o)  # [N, hidden]
         h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, cfg.rms_norm_eps)
         down = self._linear(ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)  # [N, hidden]
@@ -155,7 +160,7 @@ class FastForward:
 
     def _layer_one_row(
         self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
-        kv_cache: KVCache,
+        kv_cache: KVCache, *, kv_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_layer` for a single row: the GEMV launches carry the norms, residual adds and SiLU."""
         from runtime.kernels.gemv import NONE, RMSNORM, SILU_MUL
@@ -167,7 +172,10 @@ class FastForward:
             qkv = self._linear(h, layer.qkv)
         else:
             qkv, residual = _gemv(x, layer.qkv, RMSNORM, residual, layer.input_norm, eps)  # [1, (H+2KV)*D]
-        attn = self._attention(layer, qkv, step, kv_cache)  # [1, H, D]
+        attn = self._attention(layer, qkv, step, kv_cache, store_only=kv_only)  # [1, H, D]
+        assert residual is not None
+        if attn is None:
+            return x, residual
         o, _ = _gemv(attn.reshape(1, -1), layer.o, NONE)  # [1, hidden]
         if self.one_row in ("mixed", "mixed2"):
             h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, eps)
@@ -179,17 +187,22 @@ class FastForward:
         return down, residual
 
     def _attention(
-        self, layer: LayerWeights, qkv: torch.Tensor, step: StepInputs, kv_cache: KVCache
-    ) -> torch.Tensor:
-        """qkv [N, (H + 2KV) * D] -> attention output [N, H, D]; the rows' K/V stored in the layer's cache."""
+        self, layer: LayerWeights, qkv: torch.Tensor, step: StepInputs, kv_cache: KVCache, *,
+        store_only: bool = False,
+    ) -> torch.Tensor | None:
+        """qkv [N, (H + 2KV) * D] -> attention output [N, H, D]; the rows' K/V stored in the layer's cache.
+        `store_only`: the same kernels store the K/V (so bit-equal), nothing attends, -> None."""
         cfg, ops = self.config, self.ops
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
         rope = (layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping)
         if step.max_query_len == 1 and self.fused_rope and step.num_parts == 1:
             return ops.decode_attention_rope(qkv, *rope, k_cache, v_cache, step.block_tables, step.seq_lens,
-                                             step.num_parts, cfg.num_attention_heads, cfg.rms_norm_eps)
+                                             step.num_parts, cfg.num_attention_heads, cfg.rms_norm_eps,
+                                             store_only=store_only)
         q = ops.qk_norm_rope_store(qkv, *rope, k_cache, v_cache, cfg.num_attention_heads,
                                    cfg.num_key_value_heads, cfg.rms_norm_eps)  # [N, H, D]
+        if store_only:
+            return None
         if step.max_query_len == 1:
             return ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
         return ops.prefill_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start,
@@ -217,16 +230,29 @@ class FastForward:
         return self._linear(h, head).float()
 
     @torch.inference_mode()
-    def __call__(self, step: StepInputs, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        with pdl_launches(self.pdl if step.tokens.shape[0] <= self.pdl_max_rows else "off"):
-            return self._forward(step, kv_cache)
+    def __call__(
+        self, step: StepInputs, kv_cache: KVCache, *, text: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """-> (text logits [S, Vt] or None, audio logits [S, Va]).
 
-    def _forward(self, step: StepInputs, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        `text=False` (an audio-only step: every sampling row is in audio mode, where the sampled text token is
+        overwritten with MODALITY_PAD, runtime/sampling.py): the text tail still stores its K/V in every
+        layer (later text rows attend to them), but its last layer stops after its K/V store and the text
+        norm and head do not run: the last layer's o, gate/up and down matrices and the 151680-row head,
+        1.58 GB of the 16.8 GB a bf16 step reads. The audio logits and every cache entry are bit-equal to
+        the whole step's."""
+        with pdl_launches(self.pdl if step.tokens.shape[0] <= self.pdl_max_rows else "off"):
+            return self._forward(step, kv_cache, text)
+
+    def _forward(
+        self, step: StepInputs, kv_cache: KVCache, text: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         w = self.weights
         x = self.embed(step.tokens, step.is_audio)  # [N, hidden]
         x, residual = self._tail(w.shared, x, None, step, kv_cache)
+        text_out = self._text_out if text else self._text_kv
         if self.tail_stream is None or step.max_query_len != 1:  # prefill: compute-bound, see __init__
-            return self._text_out(x, residual, step, kv_cache), self._audio_out(x, residual, step, kv_cache)
+            return text_out(x, residual, step, kv_cache), self._audio_out(x, residual, step, kv_cache)
         # fork: the audio branch waits for the shared layers, then runs beside the text branch. Memory: x and
         # residual stay referenced here until after the join, so the main stream cannot reuse them early; the
         # side stream only ever runs after a wait on the main one, so it cannot reuse the audio logits'
@@ -235,7 +261,7 @@ class FastForward:
         self.tail_stream.wait_stream(main)
         with torch.cuda.stream(self.tail_stream):
             audio_logits = self._audio_out(x, residual, step, kv_cache)
-        text_logits = self._text_out(x, residual, step, kv_cache)
+        text_logits = text_out(x, residual, step, kv_cache)
         main.wait_stream(self.tail_stream)
         return text_logits, audio_logits
 
@@ -245,6 +271,14 @@ class FastForward:
         """Text tail and head -> [S, Vt] float32."""
         text, text_res = self._tail(self.weights.text, x, residual, step, kv_cache)
         return self._head(text, text_res, self.weights.text_norm, self.weights.text_head, step)
+
+    def _text_kv(
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, kv_cache: KVCache
+    ) -> None:
+        """The text tail's K/V stores only (an audio-only step, see __call__)."""
+        *layers, last = self.weights.text
+        x, residual = self._tail(tuple(layers), x, residual, step, kv_cache)
+        self._layer(last, x, residual, step, kv_cache, kv_only=True)
 
     def _audio_out(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, kv_cache: KVCache

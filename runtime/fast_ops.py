@@ -77,10 +77,10 @@ class TorchOps:
         return out.squeeze(2)
 
     @classmethod
-    def decode_attention_rope(cls, *args: object) -> torch.Tensor:
+    def decode_attention_rope(cls, *args: Any, store_only: bool = False) -> torch.Tensor | None:
         """`qk_norm_rope_store` then `decode_attention` (one op so that a backend may fuse them); arguments
-        as runtime.kernels.paged_attention.paged_decode_attention_rope -> [B, H, D]."""
-        return rope_then_attend(cls, *args)
+        as runtime.kernels.paged_attention.paged_decode_attention_rope -> [B, H, D] (`store_only`: None)."""
+        return rope_then_attend(cls, *args, store_only=store_only)
 
     @staticmethod
     def prefill_attention(
@@ -158,11 +158,14 @@ def rope_then_attend(
     ops: Any, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
-    eps: float,
-) -> torch.Tensor:
-    """`decode_attention_rope` as two of `ops`'s ops: q/k norm + RoPE + K/V store, then decode attention."""
+    eps: float, *, store_only: bool = False,
+) -> torch.Tensor | None:
+    """`decode_attention_rope` as two of `ops`'s ops: q/k norm + RoPE + K/V store, then decode attention
+    (`store_only`: the first alone, -> None)."""
     q = ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, k_cache,
                                v_cache, num_heads, k_cache.shape[2], eps)
+    if store_only:
+        return None
     return ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts)
 
 

@@ -62,6 +62,12 @@ class FusedWeights:
             total += sum(_nbytes(w) for w in layer.matrices().values())
         return total + _nbytes(self.text_head) + _nbytes(self.audio_head)
 
+    def audio_only_matrix_bytes(self) -> int:
+        """Bytes an audio-only decode step streams (`FastForward(text=False)`): all but the text tail's last
+        o, gate/up and down matrices and the text head."""
+        last = self.text[-1]
+        return self.matrix_bytes() - sum(_nbytes(w) for w in (last.o, last.gate_up, last.down, self.text_head))
+
 
 def _nbytes(w: Weight) -> int:
     if isinstance(w, Fp8Weight):

@@ -20,6 +20,7 @@ from runtime.attention import AttentionMetadata
 from runtime.config import Row
 from runtime.fused import FusedWeights
 from runtime.kv_cache import KVCache
+from runtime.modality import TEXT_MODE
 from runtime.model import MossSpeechForCausalLM, split_rows
 from runtime.sampling import RequestSampler, sample_next_rows
 from runtime.scheduler import SchedulerOutput
@@ -37,6 +38,12 @@ class ModelInput:
     sample_request_ids: list[str]  # [K]
     samplers: list[RequestSampler]  # [K]
 
+    @property
+    def needs_text_logits(self) -> bool:
+        """Whether a row of this step samples in text mode; if none does, its text logits go unread
+        (audio-mode rows overwrite their text token with MODALITY_PAD, runtime/sampling.py)."""
+        return any(s.mode == TEXT_MODE for s in self.samplers)
+
 
 class ModelRunner:
     """Owns the model and the KV cache tensors; runs one scheduled step at a time."""
@@ -44,13 +51,18 @@ class ModelRunner:
     def __init__(
         self, model: MossSpeechForCausalLM, kv_cache: KVCache, *, fast_path: bool = False,
         max_model_len: int = 4096, max_num_running: int = 64, weights: FusedWeights | None = None,
+        audio_only_steps: bool = True,
     ) -> None:
-        """`weights`: the fast path's fused (possibly FP8) weights when the caller made them already."""
+        """`weights`: the fast path's fused (possibly FP8) weights when the caller made them already.
+        `audio_only_steps` (fast path): decode steps in which no row samples in text mode skip the text head
+        and what only feeds it (`FastForward(text=False)`); the sampled rows are the same either way."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
         self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph", "prefill_graph"
         self.last_path = ""  # the path of the latest forward
+        self.audio_only_steps = audio_only_steps
+        self.num_audio_only_steps = 0  # forwards that skipped the text head
         self.fast = None
         self.graphs = None
         self.prefill_graphs = None
@@ -61,7 +73,8 @@ class ModelRunner:
 
             self.fast = FastForward(weights if weights is not None else fuse_model_weights(model))
             buckets = sorted({b for b in DEFAULT_BUCKETS if b < max_num_running} | {max_num_running})
-            self.graphs = DecodeGraphRunner(self.fast, kv_cache, max_model_len=max_model_len, buckets=buckets)
+            self.graphs = DecodeGraphRunner(self.fast, kv_cache, max_model_len=max_model_len, buckets=buckets,
+                                            audio_only=audio_only_steps)
             self.graphs.capture()  # no-op off CUDA
             if self.device.type == "cuda":  # off CUDA the plain fast call is simpler than padding
                 self.prefill_graphs = PrefillGraphRunner(self.fast, kv_cache, max_model_len=max_model_len)
@@ -107,19 +120,21 @@ class ModelRunner:
         return self.sample(inp, self.forward(inp))
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Launch the forward pass -> (text_logits [S, Vt], audio_logits [S, Va]); does not wait for the GPU.
 
+        Text logits are None when the fast path skipped them (no row samples in text mode).
         The logits may be views of a graph's static output: `sample` them before the next `forward`."""
         return self._forward(inp)
 
     @torch.inference_mode()
-    def sample(self, inp: ModelInput, logits: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Row]:
+    def sample(self, inp: ModelInput, logits: tuple[torch.Tensor | None, torch.Tensor]) -> dict[str, Row]:
         """Sample the rows of `forward`'s logits (waits for the GPU when reading the sampled ids)."""
         text_logits, audio_logits = logits
         if not inp.samplers:
             return {}
-        text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
+        if text_logits is not None:
+            text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
         audio_logits = audio_logits.index_select(0, inp.sample_indices)  # [K, Va]
         new_rows = sample_next_rows(text_logits, audio_logits, inp.samplers)
         return dict(zip(inp.sample_request_ids, new_rows, strict=True))
@@ -132,7 +147,7 @@ class ModelRunner:
         self.num_steps_by_path[path] += 1
         self.last_path = path
 
-    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor]:
         attn = inp.attn
         if self.fast is None or self.graphs is None:
             self._took("plain")
@@ -140,8 +155,10 @@ class ModelRunner:
         from runtime.fast_forward import StepInputs
 
         batch = len(attn.query_lens)
+        text = not self.audio_only_steps or inp.needs_text_logits
         if max(attn.query_lens) == 1 and batch <= self.graphs.max_batch:
             self._took("graph")
+            self.num_audio_only_steps += not text
             width = max(len(t) for t in attn.block_tables)
             tables = torch.tensor(
                 [t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32
@@ -150,7 +167,7 @@ class ModelRunner:
             # Views of the graph's static outputs: `execute` copies what it needs before the next step.
             return self.graphs.run(
                 inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, tables.to(self.device),
-                seq_lens.to(self.device),
+                seq_lens.to(self.device), text=text,
             )
         if (self.prefill_graphs is not None and batch == 1
                 and attn.query_lens[0] <= self.prefill_graphs.max_rows):
@@ -160,6 +177,7 @@ class ModelRunner:
                 inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, table.to(self.device), attn.seq_lens[0]
             )
         self._took("fast")
+        self.num_audio_only_steps += not text
         num_parts = self.fast.decode_num_parts(batch, max(attn.seq_lens)) if max(attn.query_lens) == 1 else 1
         step = StepInputs.from_metadata(inp.tokens, inp.is_audio, inp.positions, attn, num_parts=num_parts)
-        return self.fast(step, self.kv_cache)
+        return self.fast(step, self.kv_cache, text=text)

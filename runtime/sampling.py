@@ -220,15 +220,21 @@ def is_stop_row(row: Row) -> bool:
 
 
 def sample_next_rows(
-    text_logits: torch.Tensor, audio_logits: torch.Tensor, samplers: list[RequestSampler]
+    text_logits: torch.Tensor | None, audio_logits: torch.Tensor, samplers: list[RequestSampler]
 ) -> list[Row]:
     """Sample one row per request, append it to that request's sampler, and return the rows.
 
     ``text_logits`` is ``[S, Vt]`` and ``audio_logits`` is ``[S, Va]`` (float, any device), row ``i`` belonging
-    to ``samplers[i]``. The inputs are not modified. Each request's result depends only on its own logits,
-    state and seed, never on the rest of the batch.
+    to ``samplers[i]``. ``text_logits`` may be None when no request samples in text mode (an audio-only step
+    that skipped the text head): audio-mode rows never read them. The inputs are not modified. Each request's
+    result depends only on its own logits, state and seed, never on the rest of the batch.
     """
     num_seqs = len(samplers)
+    text_rows = [i for i, s in enumerate(samplers) if s.mode == TEXT_MODE]
+    if text_logits is None:
+        if text_rows:
+            raise ValueError(f"{len(text_rows)} request(s) sample in text mode but no text logits were computed")
+        text_logits = audio_logits.new_empty(audio_logits.shape[0], 0)  # [S, 0]: checked below, never read
     if text_logits.dim() != 2 or audio_logits.dim() != 2:
         raise ValueError(
             f"logits must be 2-D [S, V], got text {tuple(text_logits.shape)} audio {tuple(audio_logits.shape)}"
@@ -258,7 +264,6 @@ def sample_next_rows(
     tokens = [sample_tokens(audio, audio_params, uniforms[:, 1])]  # [S]
 
     # Audio-mode rows get MODALITY_PAD as their text token whatever is sampled: skip their text channel.
-    text_rows = [i for i, s in enumerate(samplers) if s.mode == TEXT_MODE]
     if text_rows:
         text = text_logits
         text_uniforms = uniforms[:, 0]

@@ -34,7 +34,7 @@ def _decode_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
-    DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -47,6 +47,8 @@ def _decode_kernel(
     heads = kvh * GROUP + g  # [GP]
     start = part * PART
     end = tl.minimum(seq_len, start + PART)
+    if STORE_ONLY:  # the row's K/V store alone (FUSE_ROPE): no keys are read, nothing is written to out
+        end = start
     if FUSE_ROPE:
         # q/k RMSNorm + RoPE from the QKV projection's row (as `qk_norm_rope_store`): every partition
         # rotates its own query heads; the one holding the new key (position seq_len - 1) also stores the
@@ -99,7 +101,9 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
-    if NUM_PARTS == 1:
+    if STORE_ONLY:
+        pass
+    elif NUM_PARTS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * (NUM_KV * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
@@ -170,20 +174,23 @@ def paged_decode_attention_rope(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
-    eps: float,
-) -> torch.Tensor:
+    eps: float, *, store_only: bool = False,
+) -> torch.Tensor | None:
     """`qk_norm_rope_store` and `paged_decode_attention` in one kernel: qkv [B, (H + 2KV) * D] (the QKV
     projection of one new row per sequence, at positions [B] = seq_lens - 1) -> attention output [B, H, D];
-    the rows' K/V are stored at slot_mapping [B] (slot < 0: not stored) as `qk_norm_rope_store` stores them."""
+    the rows' K/V are stored at slot_mapping [B] (slot < 0: not stored) as `qk_norm_rope_store` stores them.
+    `store_only`: the same kernel stores the K/V (bit-equal to what the whole kernel stores), attends to
+    nothing and returns None."""
     assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     rope = (qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, float(eps))
-    return _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts)
+    out = _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts, store_only=store_only)
+    return None if store_only else out
 
 
 def _decode(
     q: torch.Tensor | None, rope: tuple | None, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int = BLOCK_N_DECODE,
-    num_warps: int = 4, num_stages: int | None = None,
+    num_warps: int = 4, num_stages: int | None = None, store_only: bool = False,
 ) -> torch.Tensor:
     """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
     src = q if q is not None else rope[0]
@@ -207,9 +214,10 @@ def _decode(
         qkv, q_norm, k_norm, cos, sin, positions, slots, eps,
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
-        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        FUSE_ROPE=rope is not None, STORE_ONLY=store_only, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(),
     )
-    if num_parts > 1:
+    if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
                                                      HEAD_DIM=head_dim, num_warps=2, **pdl_args())
     return out

@@ -45,3 +45,20 @@ def test_a_run_without_the_default_variant_quotes_its_fastest_and_says_so() -> N
     b64 = {"fast_graph": _timing(6.9), "fast_graph_fp8": _timing(9.6)}
     line = summarize(_fast(b1, b64))["decode_bf16_b1"]
     assert (line["variant"], line["serving_default"], line["median_ms"]) == ("fast_graph_mixed", False, 4.9)
+
+
+def test_the_audio_only_step_is_quoted_beside_the_whole_one_with_its_checks() -> None:
+    checks = {"text_logits_none": True, "audio_logits_equal": True, "kv_rows_equal": True, "kv_rows_nonzero": True}
+    b1 = {"fast_graph_fp8_gemv+pdl+tails2": _timing(2.7), "fast_graph_fp8_gemv+pdl+tails2:audio": _timing(2.5),
+          "fast_graph_gemv+pdl+tails2": _timing(4.5), "fast_graph_gemv+pdl+tails2:audio": _timing(4.2),
+          "audio_only_checks": {"fast_graph_fp8_gemv+pdl+tails2": checks,
+                                "fast_graph_gemv+pdl+tails2": {**checks, "kv_rows_equal": False}}}
+    b64 = {"fast_graph+pdl+tails2": _timing(6.6), "fast_graph_fp8": _timing(9.6)}
+    out = summarize(_fast(b1, b64))
+    fp8 = out["decode_fp8_b1"]
+    assert (fp8["median_ms"], fp8["meets_target"], fp8["variant"]) == (2.7, False, "fast_graph_fp8_gemv+pdl+tails2")
+    assert fp8["audio_only"] == {"median_ms": 2.5, "meets_target": True, "weight_plus_kv_gbps": 1000.0 / 2.5,
+                                 "copy_fraction": 0.2 / 2.5, "verified": True}
+    assert out["decode_bf16_b1"]["audio_only"]["verified"] is False  # one check failed
+    assert out["decode_bf16_b1"]["fastest_variant"] == "fast_graph_gemv+pdl+tails2"  # among whole steps
+    assert "audio_only" not in out["decode_bf16_b64"]  # not timed in this run

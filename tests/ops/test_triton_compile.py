@@ -73,8 +73,9 @@ CASES = [
     ("silu_mul", elementwise._silu_mul_kernel, _ptrs("gu_ptr out_ptr") | {"inter": "i32"}, {"BLOCK": 1024}),
     *[(name, paged_attention._decode_kernel, DECODE_SIG,
        {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 64,
-        "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": fuse})
-      for name, fuse in (("decode_attention", False), ("decode_attention_rope", True))],
+        "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": fuse, "STORE_ONLY": store_only})
+      for name, fuse, store_only in (("decode_attention", False, False), ("decode_attention_rope", True, False),
+                                     ("decode_attention_rope(store_only)", True, True))],
     ("decode_merge", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
      | {"out_ptr": "*bf16"}, {"NUM_PARTS": 16, "HEAD_DIM": 128}),
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.config import AUDIO_PAD_ID, IM_START_ID, SOSP_ID, ModelConfig, Row
+from runtime.config import AUDIO_PAD_ID, IM_START_ID, MODALITY_PAD_ID, SOSP_ID, ModelConfig, Row
 from runtime.engine import Engine, EngineConfig, EngineCore, default_seed, num_kv_blocks
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache import kv_bytes_per_block
@@ -152,6 +152,31 @@ def test_fast_path_matches_reference() -> None:
     assert sum(r.num_rows for r in log) == sum(len(r.prompt_rows) + 5 - 1 for r in requests)
     assert all(min(r.schedule_s, r.prepare_s, r.forward_s, r.sample_s, r.record_s) >= 0 for r in log)
     assert [r.num_decode_seqs for r in log if r.path == "graph"] == [r.num_seqs for r in log if r.path == "graph"]
+
+
+def test_audio_only_steps_skip_the_text_head_and_change_no_row() -> None:
+    """A text-output request beside audio-output ones: while it runs, every step computes the text logits;
+    after it ends (max_new_tokens 2), the audio-mode rows alone skip them. Rows and events are those of the
+    engine that never skips, and those of the reference."""
+    rng = random.Random(21)
+    requests = [GenerationRequest("text", prompt(rng, 6, audio_out=False), HOT, HOT, max_new_tokens=2),
+                GenerationRequest("a1", prompt(rng, 5, audio_out=True), HOT, HOT, max_new_tokens=7),
+                GenerationRequest("a2", prompt(rng, 9, audio_out=True), HOT, HOT, max_new_tokens=7)]
+    results = {}
+    for audio_only in (True, False):
+        core = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(),
+                          engine_config(fast_path=True, audio_only_steps=audio_only))
+        results[audio_only] = (*run_core(core, {0: requests}), core.runner)
+    (seqs, events, runner), (seqs_whole, events_whole, runner_whole) = results[True], results[False]
+    reference = build_model(CONFIG, seed=0)
+    for request in requests:
+        assert generated(seqs[request.request_id]) == reference_rows(reference, request)[0], request.request_id
+    assert {k: generated(v) for k, v in seqs.items()} == {k: generated(v) for k, v in seqs_whole.items()}
+    assert events == events_whole
+    assert [r[0] for r in generated(seqs["text"])] != [MODALITY_PAD_ID] * 2  # it did sample text
+    # one prefill step (all three prompts fit), one decode step beside "text", then 5 audio-only decode steps
+    assert runner.num_steps_by_path == runner_whole.num_steps_by_path == Counter(fast=1, graph=6)
+    assert runner.num_audio_only_steps == 5 and runner_whole.num_audio_only_steps == 0
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

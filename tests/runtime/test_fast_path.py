@@ -269,13 +269,17 @@ class _CountingOps(TorchOps):
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
-    def decode_attention_rope(self, *args: object) -> torch.Tensor:  # type: ignore[override]
-        self._count("decode_attention_rope")
-        return TorchOps.decode_attention_rope(*args)
+    def decode_attention_rope(self, *args: object, store_only: bool = False) -> torch.Tensor | None:  # type: ignore[override]
+        self._count("decode_attention_rope(store_only)" if store_only else "decode_attention_rope")
+        return TorchOps.decode_attention_rope(*args, store_only=store_only)
 
     def qk_norm_rope_store(self, *args: object) -> torch.Tensor:  # type: ignore[override]
         self._count("qk_norm_rope_store")
         return TorchOps.qk_norm_rope_store(*args)
+
+    def decode_attention(self, *args: object) -> torch.Tensor:  # type: ignore[override]
+        self._count("decode_attention")
+        return TorchOps.decode_attention(*args)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("fused_rope", "num_parts", "fused"), [(True, 1, True), (True, 4, False), (False, 1, False)])
@@ -298,7 +302,7 @@ def test_decode_steps_fuse_rope_into_attention_only_without_key_partitions(
     layers = CONFIG.num_shared_layers + 2 * CONFIG.num_modality_layers
     assert layers == 6
     want = {"decode_attention_rope": layers, "qk_norm_rope_store": layers} if fused else {
-        "qk_norm_rope_store": 2 * layers}
+        "qk_norm_rope_store": 2 * layers, "decode_attention": layers}
     assert ops.calls == want
     for x, y in zip(results[0][0] + results[0][1:], results[1][0] + results[1][1:], strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
@@ -336,3 +340,97 @@ def test_triton_ops_fall_back_to_two_ops_for_the_fused_decode_attention() -> Non
     assert outs[0][0].shape == (2, heads, dim) and bool(torch.isfinite(outs[0][0]).all())
     for x, y in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+def _weights_read(fast: FastForward, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Spy on every matrix the fast path multiplies by (the linears and both heads go through `_linear`)."""
+    read: list[object] = []
+    linear = fast._linear
+
+    def spy(x: torch.Tensor, w: object) -> torch.Tensor:
+        read.append(w)
+        return linear(x, w)
+
+    monkeypatch.setattr(fast, "_linear", spy)
+    return read
+
+
+def test_audio_only_step_stores_the_same_cache_and_skips_the_text_head(
+    model: MossSpeechForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`text=False`: no text logits and none of the matrices that only feed them, yet the same audio logits
+    and, bit for bit, the same K/V in every layer, the text tail's last one included."""
+    weights = fuse_model_weights(model)
+    fast = FastForward(weights, TorchOps())
+    read = _weights_read(fast, monkeypatch)
+    whole_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
+    audio_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
+    a, b = make_rows(11, 1), make_rows(6, 2)
+    table_a, table_b = [7, 3, 12, 5], [20, 9]
+    steps = [
+        [(a[:7], 7, table_a), (b[:5], 5, table_b)],  # prefill of two prompts
+        [(a + b[:1], 1, table_a), (b + a[:1], 1, table_b)],  # decode
+    ]
+    last = weights.text[-1]
+    skipped = [last.o, last.gate_up, last.down, weights.text_head]
+    hidden, inter = CONFIG.hidden_size, CONFIG.intermediate_size  # float32 matrices: 4 bytes per value
+    assert weights.audio_only_matrix_bytes() == weights.matrix_bytes() - 4 * (
+        hidden * hidden + 2 * inter * hidden + hidden * inter + CONFIG.vocab_size * hidden)
+    for work in steps:
+        tokens, is_audio, positions, attn = _plain_step(model, whole_cache, work)
+        step = StepInputs.from_metadata(tokens, is_audio, positions, attn)
+        read.clear()
+        want_t, want_a = fast(step, whole_cache)
+        assert all(any(w is s for w in read) for s in skipped) and len(read) == 4 * CONFIG.num_layer_instances + 2
+        read.clear()
+        got_t, got_a = fast(step, audio_cache, text=False)
+        assert got_t is None and want_t.shape == (2, CONFIG.vocab_size)
+        assert not any(w is s for w in read for s in skipped)
+        assert len(read) == 4 * CONFIG.num_layer_instances + 2 - len(skipped)
+        assert torch.equal(got_a, want_a)
+        assert torch.equal(audio_cache.k, whole_cache.k) and torch.equal(audio_cache.v, whole_cache.v)
+    # the last text layer did store its K/V (the comparison above is not between two empty caches)
+    slot = 20 * BLOCK_SIZE + 1  # sequence b, position 1
+    assert audio_cache.k[last.layer_idx].view(-1, CONFIG.num_key_value_heads, CONFIG.head_dim)[slot].abs().sum() > 0
+
+
+def test_decode_runner_audio_only_steps(model: MossSpeechForCausalLM) -> None:
+    """`run(text=False)` returns no text logits and the same audio logits and cache as a whole step, with
+    or without the audio-only graphs."""
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    prompt, table = make_rows(9, 5), [4, 1, 6]
+    results = []
+    for audio_only, text in ((True, True), (True, False), (False, False)):
+        cache = allocate_kv_cache(CONFIG, 10, BLOCK_SIZE, "cpu", torch.float32)
+        runner = DecodeGraphRunner(fast, cache, max_model_len=24, buckets=(4,), audio_only=audio_only)
+        tokens, is_audio, positions, attn = _plain_step(model, cache, [(prompt, len(prompt), table)])
+        fast(StepInputs.from_metadata(tokens, is_audio, positions, attn), cache)
+        tokens, is_audio, positions, attn = _plain_step(model, cache, [(prompt + [(MODALITY_PAD_ID, 7)], 1, table)])
+        text_logits, audio_logits = runner.run(
+            tokens, is_audio, positions, attn.slot_mapping, torch.tensor([table], dtype=torch.int32),
+            torch.tensor(attn.seq_lens, dtype=torch.int32), text=text)
+        assert (text_logits is None) == (not text)
+        results.append((audio_logits.clone(), cache.k.clone(), cache.v.clone()))
+    for got in results[1:]:
+        assert all(torch.equal(g, w) for g, w in zip(got, results[0], strict=True))
+
+
+@pytest.mark.parametrize(("num_parts", "fused"), [(1, True), (4, False)])
+def test_audio_only_decode_step_stores_the_last_text_layer_without_attending(
+    model: MossSpeechForCausalLM, num_parts: int, fused: bool
+) -> None:
+    """In an audio-only decode step the last text layer runs its K/V store alone: through the fused kernel's
+    store-only mode when the step fuses RoPE into attention, else through the unfused store; no attention."""
+    a, b = make_rows(9, 3), make_rows(5, 4)
+    ops = _CountingOps()
+    cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
+    fast = FastForward(fuse_model_weights(model), ops)
+    fast(StepInputs.from_metadata(*_plain_step(model, cache, [(a[:8], 8, [1, 2, 3]), (b[:4], 4, [4, 5])])), cache)
+    ops.calls.clear()
+    tokens, is_audio, positions, attn = _plain_step(model, cache, [(a, 1, [1, 2, 3]), (b, 1, [4, 5])])
+    fast(StepInputs.from_metadata(tokens, is_audio, positions, attn, num_parts=num_parts), cache, text=False)
+    layers = CONFIG.num_shared_layers + 2 * CONFIG.num_modality_layers
+    want = ({"decode_attention_rope": layers - 1, "decode_attention_rope(store_only)": 1} if fused
+            else {"qk_norm_rope_store": layers, "decode_attention": layers - 1})
+    assert ops.calls == want
+

@@ -419,3 +419,18 @@ def test_audio_mode_rows_ignore_text_logits_in_mixed_batches() -> None:
     assert [[r[i] for r in rows] for i in range(2)] == alone
     assert {r[0] for r in alone[0]} == {MODALITY_PAD_ID}
     assert batched[0].mode == "audio" and batched[1].mode == "text"
+
+
+def test_text_logits_may_be_skipped_only_when_no_row_samples_text() -> None:
+    text, audio = _random_logits(2)
+    audio_only = [RequestSampler(AUDIO_PROMPT, SamplingParams(), SamplingParams(), min_new_tokens=0, seed=s)
+                  for s in (3, 4)]
+    with_text = [RequestSampler(AUDIO_PROMPT, SamplingParams(), SamplingParams(), min_new_tokens=0, seed=s)
+                 for s in (3, 4)]
+    for t in range(NUM_STEPS):
+        assert sample_next_rows(None, audio[:, t], audio_only) == sample_next_rows(text[:, t], audio[:, t], with_text)
+    mixed = [audio_only[0], RequestSampler(TEXT_PROMPT, SamplingParams(), SamplingParams(), min_new_tokens=0, seed=5)]
+    before = [s.num_generated for s in mixed]
+    with pytest.raises(ValueError, match="1 request\\(s\\) sample in text mode but no text logits"):
+        sample_next_rows(None, audio[:, 0], mixed)
+    assert [s.num_generated for s in mixed] == before  # nothing appended
