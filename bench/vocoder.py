@@ -86,14 +86,15 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
 def copy_vocoder(
     base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True,
     pdl: str = "auto", channels_last: bool | None = None, flow_channels_last: bool = True,
-    flow_norms: bool = True,
+    flow_norms: bool = True, flow_attention: bool = True,
 ) -> StreamingVocoder:
     """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels;
     flow_fusion False keeps only the activation and chunk attention kernels (the estimator's norms,
     linears and Mish in PyTorch); channels_last as StreamingVocoder's (BigVGAN's data); flow_channels_last
     False keeps the estimator's data channels-first with its plain causal convs in PyTorch, as before the
     estimator went channels-last; flow_norms False keeps PyTorch's LayerNorms and residual adds in the
-    estimator's transformers at many rows (`ChunkTransformer.fuse_norms`)."""
+    estimator's transformers at many rows (`ChunkTransformer.fuse_norms`); flow_attention False keeps their
+    few-row attention a kernel of its own after LN1 + QKV (`ChunkTransformer.fuse_attention`)."""
     voc = StreamingVocoder(
         base.config,
         copy.deepcopy(base.flow),
@@ -111,6 +112,7 @@ def copy_vocoder(
     for module in voc.flow.estimator.modules():
         if isinstance(module, ChunkTransformer):
             module.fuse_norms = flow_norms
+            module.fuse_attention = flow_attention
             module.fuse_linears = module.fuse_linears and flow_fusion
         elif (type(module) is CausalConv1d and plain_convs) or (isinstance(module, CausalBlock) and not flow_fusion):
             module.use_triton = False  # without flow_fusion: the estimator as before vocoder/kernels/flow_fused.py

@@ -6,7 +6,9 @@ For each variant ("package": BigVGAN activations of the `bigvgan` package and SD
 "fused": the Triton kernels of vocoder/kernels/ and BigVGAN's data channels-last (the default on CUDA);
 "fusedncw": the same with BigVGAN's data channels-first, as before; "flowbase": "fused" with the flow
 estimator's data channels-first and PyTorch's norms in its transformers at many rows, as before;
-"flownorms": "flowbase" with those norms as kernels; "partial": only the activation and chunk attention kernels, as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by
+"flownorms": "flowbase" with those norms as kernels; "attn5": "fused" with the few-row transformers'
+attention in a kernel of its own after LN1 + QKV, as before; "partial": only the activation and chunk
+attention kernels, as "fused" was before the estimator's norms and linears were fused; same weights, bf16 by
 default, CUDA graphs on; `--variants` picks them) it times with synchronised wall clocks:
 - the first chunk of one stream (open, then the 5-code push), split into encoder, flow solve, BigVGAN and
   the rest (host work: windows, crossfade, copies);
@@ -229,6 +231,9 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
             )
             for name, fn in calls:
                 row[f"{name}_{'fused' if fused else 'torch'}_us"] = round(graph_us_per_call([fn] * 200), 2)
+        block.fuse_linears, block.fuse_attention = True, False  # 5 kernels: LN1 + QKV, then the attention kernel
+        row["transformer_fused5_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
+        block.fuse_attention = True
         # the many-row transformer path (norm kernels, cuBLAS linears) and the causal block on channels-last data
         block.fuse_linears, block.fused_max_rows, causal.use_triton = True, 0, True
         row["transformer_rows_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
@@ -430,7 +435,7 @@ def main() -> None:
     ap.add_argument("--blocks-only", action="store_true", help="stop after the checks and block timings")
     ap.add_argument("--variants", default="fused,partial",
                     help="comma list of fused (channels-last BigVGAN and estimator), fusedncw (fused, BigVGAN "
-                         "channels-first), flowbase, flownorms (see above), partial; the package's modules always run for the PCM check")
+                         "channels-first), flowbase, flownorms, attn5 (see above), partial; the package's modules always run for the PCM check")
     ap.add_argument("--skip-package", action="store_true", help="do not time or profile the package's modules")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -468,6 +473,8 @@ def main() -> None:
                                                        flow_channels_last=False, flow_norms=False),
         "flownorms": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
                                                         flow_channels_last=False),
+        "attn5": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
+                                                    flow_attention=False),
         "package": lambda: base,
     }
     names = list(dict.fromkeys([*args.variants.split(","), "package"]))

@@ -147,6 +147,7 @@ class ChunkTransformer(nn.Module):
         self.use_triton = False  # set by StreamingVocoder on CUDA: vocoder/kernels/chunk_attention.py
         self.fuse_linears = True  # with use_triton: norms, linears, GELU, residuals fused (flow_fused.py)
         self.fuse_norms = True  # with fuse_linears, above fused_max_rows: the norms (and an add) as kernels
+        self.fuse_attention = True  # with fuse_linears, up to fused_max_rows: LN1 + QKV + attention as one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C] -> [B, T, C] (frames as rows, so stacked blocks need no layout change between them);
@@ -189,17 +190,22 @@ class ChunkTransformer(nn.Module):
         return h.reshape(b, t, c)
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The same block in 5 Triton kernels (vocoder/kernels/flow_fused.py): LN1+QKV, chunk attention,
-        out+residual, LN2+FF1+GELU, FF2+residual. (The attention inside the out projection's programs, each
-        recomputing it for its rows, was slower: bench/results/vocoder-attn-out-h200/.)"""
+        """The same block in 4 Triton kernels (vocoder/kernels/flow_fused.py): LN1+QKV+chunk attention (one
+        program per head and 16 rows), out+residual, LN2+FF1+GELU, FF2+residual; without `fuse_attention`
+        5, the attention a kernel of its own after LN1+QKV. (The attention inside the out projection's
+        programs, each recomputing every head for its rows, was slower: bench/results/vocoder-attn-out-h200/.)"""
         from vocoder.kernels.chunk_attention import chunk_attention
-        from vocoder.kernels.flow_fused import fused_linear
+        from vocoder.kernels.flow_fused import fused_linear, ln_qkv_attention
 
         b, t, c = x.shape
         h = x.reshape(b * t, c)
         n1, n2 = self.norm1, self.norm2
-        qkv = fused_linear(h, self.qkv.weight, norm=(n1.weight, n1.bias, n1.eps))
-        a = chunk_attention(qkv, self.num_heads, self.head_dim, self.chunk)
+        if self.fuse_attention and 16 % self.chunk == 0:
+            a = ln_qkv_attention(h, self.qkv.weight, (n1.weight, n1.bias, n1.eps), self.num_heads, self.head_dim,
+                                 self.chunk)
+        else:
+            qkv = fused_linear(h, self.qkv.weight, norm=(n1.weight, n1.bias, n1.eps))
+            a = chunk_attention(qkv, self.num_heads, self.head_dim, self.chunk)
         h = fused_linear(a, self.out.weight, self.out.bias, residual=h)
         f = fused_linear(h, self.ff[0].weight, self.ff[0].bias, norm=(n2.weight, n2.bias, n2.eps), gelu=True)
         h = fused_linear(f, self.ff[2].weight, self.ff[2].bias, residual=h)

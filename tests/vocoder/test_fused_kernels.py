@@ -219,6 +219,20 @@ for m in (40, 7):
     for g, w in pairs:
         assert g.shape == w.shape
         worst = max(worst, float((g - w).abs().max()))
+from vocoder.kernels.flow_fused import ln_qkv_attention
+for m in (40, 8):  # LN1 + QKV + chunk attention in one kernel (a 16-row program half masked at 40 rows)
+    x = torch.randn(m, 48)
+    n1 = block.norm1
+    h = x.reshape(m // 4, 4, 48)
+    shape = (m // 4, 4, 2, 16)
+    q, k, v = (z.reshape(shape).transpose(1, 2) for z in block.qkv(n1(h)).chunk(3, dim=-1))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(m, 32)
+    got = ln_qkv_attention(x, block.qkv.weight, (n1.weight, n1.bias, n1.eps), 2, 16, 4)
+    assert got.shape == want.shape
+    worst = max(worst, float((got - want).abs().max()))
+    # the whole block's fused path (4 kernels) against its PyTorch modules
+    block.fuse_attention = True
+    worst = max(worst, float((block._forward_fused(x.reshape(2, m // 2, 48)) - block(x.reshape(2, m // 2, 48))).abs().max()))
 from vocoder.kernels.channel_bias import add_channel_bias_
 for b, c, t in ((2, 24, 33), (1, 96, 5), (3, 40, 1)):  # BigVGAN conv outputs: masked lanes, one frame
     y = torch.randn(b, t, c).transpose(1, 2)
@@ -235,6 +249,7 @@ def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
     stream's cache and at a stream's start, run by Triton's CPU interpreter against the PyTorch modules: the
     same outputs and cache updates in float32, and each output stored in its input's layout. Then the
     residual add + LayerNorm kernel of the many-row transformer path against `x + y` and `nn.LayerNorm`, the
-    few-row fused linears (LN + QKV, LN + FF1 + GELU) against the transformer block's modules, and BigVGAN's
-    channels-last conv bias add against PyTorch's."""
+    few-row fused linears (LN + QKV, LN + FF1 + GELU) and the LN1 + QKV + chunk attention kernel against the
+    transformer block's modules, the block's fused path against its PyTorch path, and BigVGAN's channels-last
+    conv bias add against PyTorch's."""
     assert _interpreter_worst(CAUSAL_CONV_SCRIPT) < 2e-5  # float32, sums in another order

@@ -175,6 +175,116 @@ def fused_linear(
 
 
 @triton.jit
+def _ln_qkv_attention_kernel(
+    x_ptr,
+    w_ptr,
+    g_ptr,
+    beta_ptr,
+    out_ptr,
+    M,
+    eps,
+    scale,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BM: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # one program = BM rows (whole chunks) x one head: LN1 of the rows, the head's q, k and v, attention
+    # inside each chunk; the weights (the head's [D, K] slices of W_q, W_k, W_v) are fetched before the wait
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    h = tl.program_id(1)
+    rk = tl.arange(0, BK)
+    k_mask = rk < K
+    d = tl.arange(0, D)
+    w_cols = w_ptr + (h * D + d)[None, :].to(tl.int64) * K + rk[:, None]  # [BK, D] of W_q^T for head h
+    wq = tl.load(w_cols, mask=k_mask[:, None], other=0.0)
+    wk = tl.load(w_cols + H * D * K, mask=k_mask[:, None], other=0.0)
+    wv = tl.load(w_cols + 2 * H * D * K, mask=k_mask[:, None], other=0.0)
+    g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+    bb = tl.load(beta_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    m_mask = rm < M
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                other=0.0)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, 1) / K  # LayerNorm: mean and biased variance over the row, as torch.layer_norm
+    dx = tl.where(k_mask[None, :], xf - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(dx * dx, 1) / K + eps)
+    xn = (dx * rstd[:, None] * g[None, :] + bb[None, :]).to(w_ptr.dtype.element_ty)  # the norm's stored output
+    if IEEE:
+        q = tl.dot(xn, wq, input_precision="ieee")
+        k = tl.dot(xn, wk, input_precision="ieee")
+        v = tl.dot(xn, wv, input_precision="ieee")
+    else:
+        q = tl.dot(xn, wq)
+        k = tl.dot(xn, wk)
+        v = tl.dot(xn, wv)
+    # the projection's stored output, then attention in float32 (as the chunk attention kernel computes it)
+    q = q.to(out_ptr.dtype.element_ty).to(tl.float32) * scale
+    k = k.to(out_ptr.dtype.element_ty).to(tl.float32)
+    v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BM]
+    same_chunk = (rm[:, None] // CHUNK) == (rm[None, :] // CHUNK)
+    s = tl.where(same_chunk, s, float("-inf"))
+    p = tl.exp(s - tl.max(s, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    a = tl.dot(p, v, input_precision="ieee")  # [BM, D]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * (H * D) + h * D + d[None, :], a.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None])
+
+
+def ln_qkv_attention(
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float],
+    num_heads: int,
+    head_dim: int,
+    chunk: int,
+    rows: int = 16,
+) -> torch.Tensor:
+    """A transformer block's LN1 + QKV projection (no bias) + chunk attention in one kernel:
+    x [M, K] (rows grouped in chunks of `chunk` frames) -> [M, H * D], as `chunk_attention(fused_linear(x,
+    qkv_weight, norm=norm), H, D, chunk)` computes it (the same roundings; float32 attention). One program
+    per `rows` rows (whole chunks) and head reads that head's third of the weight: at a first chunk 8
+    programs instead of a projection spread over many and an attention kernel after it."""
+    assert x.dim() == 2 and qkv_weight.dim() == 2  # CUDA tensors (CPU ones under TRITON_INTERPRET=1, for tests)
+    x = x.contiguous()
+    m, k = x.shape
+    assert qkv_weight.shape == (3 * num_heads * head_dim, k), (qkv_weight.shape, x.shape)
+    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, head_dim
+    assert m % chunk == 0 and rows % chunk == 0 and rows == triton.next_power_of_2(rows), (m, chunk, rows)
+    out = torch.empty(m, num_heads * head_dim, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    gamma, beta, eps = norm
+    _ln_qkv_attention_kernel[(triton.cdiv(m, rows), num_heads)](
+        x,
+        qkv_weight.contiguous(),
+        gamma.contiguous(),
+        beta.contiguous(),
+        out,
+        m,
+        float(eps),
+        1.0 / head_dim**0.5,
+        K=k,
+        BK=triton.next_power_of_2(k),
+        H=num_heads,
+        D=head_dim,
+        CHUNK=chunk,
+        BM=rows,
+        IEEE=x.dtype == torch.float32,
+        num_warps=4,
+        num_stages=1,
+        **pdl_args(),
+    )
+    return out
+
+
+@triton.jit
 def _add_layer_norm_kernel(
     x_ptr,
     y_ptr,
