@@ -64,18 +64,23 @@ def _plain_step(model: MossSpeechForCausalLM, cache: KVCache, work: list[tuple[l
     return tokens, is_audio, attn.positions("cpu"), attn
 
 
+def _two_sequence_steps() -> list[list[tuple[list[Row], int, list[int]]]]:
+    """Three steps of two sequences (rows, new rows, block table): both prompts, a chunked prefill over
+    earlier pages beside a decode row, a pure decode step."""
+    a, b = make_rows(11, 1), make_rows(6, 2)
+    table_a, table_b = [7, 3, 12, 5], [20, 9]
+    return [
+        [(a[:7], 7, table_a), (b[:5], 5, table_b)],
+        [(a, 4, table_a), (b[:6], 1, table_b)],
+        [(a + b[:1], 1, table_a), (b + a[:1], 1, table_b)],
+    ]
+
+
 def test_fast_step_matches_plain_step_prefill_chunk_and_decode(model: MossSpeechForCausalLM) -> None:
     fast = FastForward(fuse_model_weights(model), TorchOps())
     plain_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
     fast_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
-    a, b = make_rows(11, 1), make_rows(6, 2)
-    table_a, table_b = [7, 3, 12, 5], [20, 9]
-    steps = [
-        [(a[:7], 7, table_a), (b[:5], 5, table_b)],  # prefill of two prompts
-        [(a, 4, table_a), (b[:6], 1, table_b)],  # chunked prefill over earlier pages + a decode row
-        [(a + b[:1], 1, table_a), (b + a[:1], 1, table_b)],  # pure decode
-    ]
-    for work in steps:
+    for work in _two_sequence_steps():
         tokens, is_audio, positions, attn = _plain_step(model, plain_cache, work)
         want_t, want_a = model(tokens, is_audio, positions, plain_cache, attn)
         got_t, got_a = fast(StepInputs.from_metadata(tokens, is_audio, positions, attn), fast_cache)
@@ -365,18 +370,12 @@ def test_audio_only_step_stores_the_same_cache_and_skips_the_text_head(
     read = _weights_read(fast, monkeypatch)
     whole_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
     audio_cache = allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.float32)
-    a, b = make_rows(11, 1), make_rows(6, 2)
-    table_a, table_b = [7, 3, 12, 5], [20, 9]
-    steps = [
-        [(a[:7], 7, table_a), (b[:5], 5, table_b)],  # prefill of two prompts
-        [(a + b[:1], 1, table_a), (b + a[:1], 1, table_b)],  # decode
-    ]
     last = weights.text[-1]
     skipped = [last.o, last.gate_up, last.down, weights.text_head]
     hidden, inter = CONFIG.hidden_size, CONFIG.intermediate_size  # float32 matrices: 4 bytes per value
     assert weights.audio_only_matrix_bytes() == weights.matrix_bytes() - 4 * (
         hidden * hidden + 2 * inter * hidden + hidden * inter + CONFIG.vocab_size * hidden)
-    for work in steps:
+    for work in _two_sequence_steps():
         tokens, is_audio, positions, attn = _plain_step(model, whole_cache, work)
         step = StepInputs.from_metadata(tokens, is_audio, positions, attn)
         read.clear()
