@@ -200,7 +200,7 @@ class ChunkTransformer(nn.Module):
         b, t, c = x.shape
         h = x.reshape(b * t, c)
         n1, n2 = self.norm1, self.norm2
-        if self.fuse_attention and 16 % self.chunk == 0:
+        if self.fuse_attention and 16 % self.chunk == 0 and self.head_dim >= 16:  # tl.dot's smallest side
             a = ln_qkv_attention(h, self.qkv.weight, (n1.weight, n1.bias, n1.eps), self.num_heads, self.head_dim,
                                  self.chunk)
         else:
