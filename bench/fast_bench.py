@@ -253,7 +253,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     extra_b1: dict[str, tuple[DecodeGraphRunner, object]] = {}
     extra_batched: dict[str, tuple[DecodeGraphRunner, object]] = {}
     # the serving defaults' runners also capture the audio-only step (no text head; timed as "<name>:audio")
-    audio_only_names = {v for v in SERVING_DEFAULT.values()}
+    audio_only_names = set(SERVING_DEFAULT.values())
     for v in variants:
         opts = {"pdl": "wait" if "pdl" in v else "off", "pdl_max_rows": 1 << 30, "parallel_tails": "tails2" in v}
         for name, w, one_row in (("gemv", weights, "gemv"), ("mixed", weights, "mixed"),

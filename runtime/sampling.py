@@ -231,26 +231,23 @@ def sample_next_rows(
     """
     num_seqs = len(samplers)
     text_rows = [i for i, s in enumerate(samplers) if s.mode == TEXT_MODE]
-    if text_logits is None:
-        if text_rows:
-            raise ValueError(f"{len(text_rows)} request(s) sample in text mode but no text logits were computed")
-        text_logits = audio_logits.new_empty(audio_logits.shape[0], 0)  # [S, 0]: checked below, never read
-    if text_logits.dim() != 2 or audio_logits.dim() != 2:
+    if text_logits is None and text_rows:
+        raise ValueError(f"{len(text_rows)} request(s) sample in text mode but no text logits were computed")
+    text_shape = None if text_logits is None else tuple(text_logits.shape)
+    if audio_logits.dim() != 2 or (text_shape is not None and len(text_shape) != 2):
+        raise ValueError(f"logits must be 2-D [S, V], got text {text_shape} audio {tuple(audio_logits.shape)}")
+    if audio_logits.shape[0] != num_seqs or (text_shape is not None and text_shape[0] != num_seqs):
         raise ValueError(
-            f"logits must be 2-D [S, V], got text {tuple(text_logits.shape)} audio {tuple(audio_logits.shape)}"
-        )
-    if text_logits.shape[0] != num_seqs or audio_logits.shape[0] != num_seqs:
-        raise ValueError(
-            f"got {num_seqs} samplers but text logits for {text_logits.shape[0]} rows "
+            f"got {num_seqs} samplers but text logits for {None if text_shape is None else text_shape[0]} rows "
             f"and audio logits for {audio_logits.shape[0]} rows"
         )
     if audio_logits.shape[1] <= EOSP_ID:
         raise ValueError(f"audio logits need more than {EOSP_ID} columns, got {audio_logits.shape[1]}")
-    if text_logits.device != audio_logits.device:
+    if text_logits is not None and text_logits.device != audio_logits.device:
         raise ValueError(f"text logits on {text_logits.device} but audio logits on {audio_logits.device}")
     if num_seqs == 0:
         return []
-    device = text_logits.device
+    device = audio_logits.device
     uniforms = torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32).to(device)  # [S, 2]
 
     audio = audio_logits.float().clone()  # [S, Va]
@@ -265,6 +262,7 @@ def sample_next_rows(
 
     # Audio-mode rows get MODALITY_PAD as their text token whatever is sampled: skip their text channel.
     if text_rows:
+        assert text_logits is not None  # checked above
         text = text_logits
         text_uniforms = uniforms[:, 0]
         if len(text_rows) < num_seqs:

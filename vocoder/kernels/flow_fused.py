@@ -31,6 +31,17 @@ _GELU_NONE, _GELU_ERF = 0, 1
 
 
 @triton.jit
+def _layer_norm_rows(xf, mask, g, bb, eps, n):
+    """LayerNorm over axis 1 of a float32 [rows, n-lane] tile, as torch.layer_norm (mean and biased variance;
+    lanes outside `mask` read as 0 and are left out); g, bb [n-lane] float32. Returns float32 (callers round
+    to the dtype the module would store)."""
+    mean = tl.sum(xf, 1) / n
+    d = tl.where(mask, xf - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / n + eps)
+    return d * rstd[:, None] * g[None, :] + bb[None, :]
+
+
+@triton.jit
 def _fused_linear_kernel(
     x_ptr,
     w_ptr,
@@ -77,12 +88,8 @@ def _fused_linear_kernel(
     for k0 in range(0, K, BK):
         k_mask = (k0 + rk) < K
         x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if HAS_LN:  # mean and biased variance over the row, as torch.layer_norm
-            xf = x.to(tl.float32)
-            mean = tl.sum(xf, 1) / K
-            d = tl.where(k_mask[None, :], xf - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / K + eps)
-            x = (d * rstd[:, None] * g[None, :] + bb[None, :]).to(w_ptr.dtype.element_ty)
+        if HAS_LN:
+            x = _layer_norm_rows(x.to(tl.float32), k_mask[None, :], g, bb, eps, K).to(w_ptr.dtype.element_ty)
         if EARLY_W:
             w = w_next
             nk = k0 + BK + rk
@@ -210,11 +217,8 @@ def _ln_qkv_attention_kernel(
     m_mask = rm < M
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf, 1) / K  # LayerNorm: mean and biased variance over the row, as torch.layer_norm
-    dx = tl.where(k_mask[None, :], xf - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(dx * dx, 1) / K + eps)
-    xn = (dx * rstd[:, None] * g[None, :] + bb[None, :]).to(w_ptr.dtype.element_ty)  # the norm's stored output
+    # the norm's stored output
+    xn = _layer_norm_rows(x.to(tl.float32), k_mask[None, :], g, bb, eps, K).to(w_ptr.dtype.element_ty)
     if IEEE:
         q = tl.dot(xn, wq, input_precision="ieee")
         k = tl.dot(xn, wk, input_precision="ieee")
@@ -309,13 +313,10 @@ def _add_layer_norm_kernel(
     if HAS_ADD:  # the residual sum, rounded as the module's add stores it
         v = (v.to(tl.float32) + tl.load(y_ptr + off, mask=mask, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + off, v, mask=mask)
-    v = v.to(tl.float32)
-    mean = tl.sum(v, 1) / C
-    d = tl.where(mask, v - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
     g = tl.load(g_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     bb = tl.load(beta_ptr + c, mask=c < C, other=0.0).to(tl.float32)
-    tl.store(n_ptr + off, (d * rstd[:, None] * g[None, :] + bb[None, :]).to(n_ptr.dtype.element_ty), mask=mask)
+    tl.store(n_ptr + off, _layer_norm_rows(v.to(tl.float32), mask, g, bb, eps, C).to(n_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def add_layer_norm(
