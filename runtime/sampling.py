@@ -258,7 +258,7 @@ def sample_next_rows(
         audio[rows, EOSP_ID] = -math.inf
     audio_params = [s.audio_params for s in samplers]
     audio = _penalise_channel(audio, [s._audio_history for s in samplers], audio_params)
-    tokens = [sample_tokens(audio, audio_params, uniforms[:, 1])]  # [S]
+    draws = [(audio, audio_params, uniforms[:, 1])]  # per channel: (logits, params, uniforms)
 
     # Audio-mode rows get MODALITY_PAD as their text token whatever is sampled: skip their text channel.
     if text_rows:
@@ -270,8 +270,18 @@ def sample_next_rows(
             text, text_uniforms = text.index_select(0, index), text_uniforms.index_select(0, index)
         text_params = [samplers[i].text_params for i in text_rows]
         text = _penalise_channel(text.float(), [samplers[i]._text_history for i in text_rows], text_params)
-        tokens.append(sample_tokens(text, text_params, text_uniforms))  # [T]
-    picked = torch.cat(tokens).tolist()  # the step's one wait for the GPU
+        draws.append((text, text_params, text_uniforms))
+    results = [_sample_tokens(*draw) for draw in draws]  # ids [S] (audio), then [T] (text)
+    flags = [torch.zeros_like(ids, dtype=torch.bool) if ties is None else ties for ids, ties in results]
+    # the step's one wait for the GPU: the ids and each channel's ties_past_k flags in one read
+    read = torch.cat([ids for ids, _ in results] + flags).tolist()
+    picked, ties_read = read[: len(read) // 2], read[len(read) // 2 :]
+    start = 0
+    for (ids, _), draw in zip(results, draws, strict=True):
+        end = start + ids.shape[0]
+        if any(ties_read[start:end]):  # rare (equal logits): redraw the channel over its full sort
+            picked[start:end] = _sample_tokens(*draw, full_sort=True)[0].tolist()
+        start = end
     text_tokens = [MODALITY_PAD_ID] * num_seqs
     for i, token in zip(text_rows, picked[num_seqs:], strict=True):
         text_tokens[i] = token
@@ -317,6 +327,22 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], unifor
     renormalised top-k set (keep the smallest prefix of the descending order whose mass reaches top_p, always
     at least one), then the first sorted id whose cumulative probability exceeds ``u * total``.
     """
+    tokens, ties_past_k = _sample_tokens(logits, params, uniforms)
+    if ties_past_k is not None and bool(ties_past_k.any()):
+        return _sample_tokens(logits, params, uniforms, full_sort=True)[0]
+    return tokens
+
+
+def _sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor, *, full_sort: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample_tokens` without waiting for the GPU -> (ids [S], ties_past_k [S] bool or None).
+
+    For top-k up to TOPK_FAST_MAX the draw runs over `torch.topk`'s k_max candidates instead of a sort of the
+    whole vocabulary. That is exact unless some row has ids tied with its k-th value beyond the candidates
+    (HF keeps them all): `ties_past_k` flags such rows, and the caller, once it reads the ids anyway, redraws
+    the whole batch with `full_sort=True` (the result the full sort gives; rare: it needs equal logits).
+    None: the full sort ran (or every row is greedy), nothing to check."""
     if logits.dim() != 2 or len(params) != logits.shape[0] or tuple(uniforms.shape) != (logits.shape[0],):
         raise ValueError(
             f"need logits [S, V] with one SamplingParams and one uniform per row, got logits "
@@ -324,7 +350,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], unifor
         )
     greedy = logits.argmax(dim=-1)  # [S]; first maximal index on ties
     if all(p.is_greedy for p in params):
-        return greedy
+        return greedy, None
     device = logits.device
     vocab_size = logits.shape[1]
     ks = [1 if p.is_greedy else p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -336,18 +362,18 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], unifor
     is_greedy = settings[:, 3].bool()
 
     scaled = logits / temps.unsqueeze(1)  # [S, V]
-    sorted_logits = sorted_ids = None
+    ties_past_k = None
     k_max = max(ks)
-    if k_max <= TOPK_FAST_MAX:
+    if k_max <= TOPK_FAST_MAX and not full_sort:
         values, ids = scaled.topk(k_max, dim=-1)  # [S, kmax], descending
         kth = values.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
-        # HF keeps every id tied with the k-th value; when such ties reach past the ids kept, sort it all.
+        # HF keeps every id tied with the k-th value: rows where such ties reach past the candidates need
+        # the full sort (see the docstring; checked by the caller, with no wait here)
         ties_past_k = ((scaled >= kth).sum(dim=-1) > top_ks) & ~is_greedy  # [S]
-        if not bool(ties_past_k.any()):
-            by_id, order = ids.sort(dim=-1)  # equal values in id order, as the full stable sort has them
-            sorted_logits, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
-            sorted_ids = by_id.gather(1, order)  # [S, kmax]
-    if sorted_logits is None or sorted_ids is None:
+        by_id, order = ids.sort(dim=-1)  # equal values in id order, as the full stable sort has them
+        sorted_logits, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+        sorted_ids = by_id.gather(1, order)  # [S, kmax]
+    else:
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # [S, V] each
     kth = sorted_logits.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
@@ -364,7 +390,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], unifor
     num_positive = (probs > 0).sum(dim=-1)  # [S]
     picked = torch.minimum(picked, num_positive - 1)  # guard against float rounding at the top
     sampled = sorted_ids.gather(1, picked.unsqueeze(1)).squeeze(1)  # [S]
-    return torch.where(is_greedy, greedy, sampled)
+    return torch.where(is_greedy, greedy, sampled), ties_past_k
 
 
 def _check_row(row: Row) -> Row:

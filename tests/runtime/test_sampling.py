@@ -402,6 +402,38 @@ def test_topk_path_picks_the_same_ids_as_the_full_sort(monkeypatch: pytest.Monke
     assert (100 in top3[:6]) is ties_past_k  # rows 2..22 (every 4th) have the fourth tied id
 
 
+def test_ties_past_k_are_flagged_not_waited_for() -> None:
+    # `_sample_tokens` never reads the GPU: it returns the rows whose ties with the k-th value reach past the
+    # topk candidates, for the caller to check with the ids it reads anyway.
+    logits = torch.tensor([[5.0, 4.0, 3.0, 3.0, 1.0], [5.0, 4.0, 3.0, 2.0, 1.0], [5.0, 4.0, 3.0, 3.0, 3.0]])
+    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=3)] * 2 + [greedy_with_penalty(1.0)]
+    _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.5, 0.5, 0.5]))
+    assert ties is not None and ties.tolist() == [True, False, False]  # greedy rows never need the sort
+    _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.5, 0.5, 0.5]), full_sort=True)
+    assert ties is None
+
+
+def test_sample_next_rows_redraws_a_channel_with_ties_past_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Audio logits with four ids tied at the top and top_k=3: HF keeps all four, which only the full sort
+    # sees; the step's rows must equal those of a sampler that always sorts fully.
+    audio = torch.full((3, AUDIO_VOCAB), -5.0)
+    audio[:, [11, 12, 13, 14]] = 4.0
+    audio[1, 14] = 3.0  # row 1: no tie past k
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=3, repetition_penalty=1.0)
+
+    def samplers() -> list[RequestSampler]:
+        return [RequestSampler(AUDIO_PROMPT, SamplingParams(), params, min_new_tokens=0, seed=seed)
+                for seed in (3, 4, 5)]
+
+    fast = [sample_next_rows(None, audio, batch) for batch in [samplers()] for _ in range(6)]
+    monkeypatch.setattr(sampling, "TOPK_FAST_MAX", 0)
+    full = [sample_next_rows(None, audio, batch) for batch in [samplers()] for _ in range(6)]
+    assert fast == full
+    codes = {row[0][1] for row in fast} | {row[2][1] for row in fast}
+    assert 14 in codes and codes <= {11, 12, 13, 14}  # the fourth tied id is drawn in the tied rows
+    assert {row[1][1] for row in fast} <= {11, 12, 13}
+
+
 def test_audio_mode_rows_ignore_text_logits_in_mixed_batches() -> None:
     text, audio = _random_logits(2)
     text_params = SamplingParams(temperature=0.9, top_p=0.9, top_k=30, repetition_penalty=1.2)
