@@ -214,6 +214,16 @@ class RequestSampler:
         return row
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the GPU: through pinned memory, copied on the
+    current stream (PyTorch's pinned-memory cache keeps the block until that copy has run). A copy from
+    pageable memory waits for the stream to drain first, i.e. for the forward pass the sampler follows: the
+    sampling kernels could then only be launched after it, with the GPU idle meanwhile."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def is_stop_row(row: Row) -> bool:
     """Whether the row ends generation: its text token is IM_END or ENDOFTEXT (the row itself is output)."""
     return row[0] == IM_END_ID or row[0] == ENDOFTEXT_ID
@@ -248,13 +258,13 @@ def sample_next_rows(
     if num_seqs == 0:
         return []
     device = audio_logits.device
-    uniforms = torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32).to(device)  # [S, 2]
+    uniforms = to_device(torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32), device)  # [S, 2]
 
     audio = audio_logits.float().clone()  # [S, Va]
     audio[:, EOSP_ID + 1 :] = -math.inf  # ids above EOSP are never generated
     blocked = [i for i, s in enumerate(samplers) if s.num_generated < s.min_new_tokens]
     if blocked:
-        rows = blocked if len(blocked) < num_seqs else slice(None)
+        rows = to_device(torch.tensor(blocked), device) if len(blocked) < num_seqs else slice(None)
         audio[rows, EOSP_ID] = -math.inf
     audio_params = [s.audio_params for s in samplers]
     audio = _penalise_channel(audio, [s._audio_history for s in samplers], audio_params)
@@ -266,7 +276,7 @@ def sample_next_rows(
         text = text_logits
         text_uniforms = uniforms[:, 0]
         if len(text_rows) < num_seqs:
-            index = torch.tensor(text_rows, dtype=torch.long).to(device)
+            index = to_device(torch.tensor(text_rows, dtype=torch.long), device)
             text, text_uniforms = text.index_select(0, index), text_uniforms.index_select(0, index)
         text_params = [samplers[i].text_params for i in text_rows]
         text = _penalise_channel(text.float(), [samplers[i]._text_history for i in text_rows], text_params)
@@ -299,10 +309,10 @@ def _penalise_channel(
         history.check_vocab(vocab_size)
     ids = [h.ids() for h in histories]
     rows = np.repeat(np.arange(num_seqs, dtype=np.int64), [len(i) for i in ids])
-    where = torch.from_numpy(np.stack([rows, np.concatenate(ids)])).to(logits.device)  # [2, total]
+    where = to_device(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), logits.device)  # [2, total]
     seen = torch.zeros(num_seqs, vocab_size, dtype=torch.bool, device=logits.device)  # [S, V]
     seen[where[0], where[1]] = True
-    penalties = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype).to(logits.device)
+    penalties = to_device(torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype), logits.device)
     return apply_repetition_penalty(logits, seen, penalties)
 
 
@@ -354,10 +364,10 @@ def _sample_tokens(
     device = logits.device
     vocab_size = logits.shape[1]
     ks = [1 if p.is_greedy else p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    settings = torch.tensor(
+    settings = to_device(torch.tensor(
         [[1.0 if p.is_greedy else p.temperature, k, p.top_p if p.top_p < 1.0 else math.inf, p.is_greedy]
          for p, k in zip(params, ks, strict=True)], dtype=torch.float32,
-    ).to(device)  # [S, 4]: temperature, top-k, top-p, greedy
+    ), device)  # [S, 4]: temperature, top-k, top-p, greedy
     temps, top_ks, top_ps = settings[:, 0], settings[:, 1].long(), settings[:, 2]
     is_greedy = settings[:, 3].bool()
 
