@@ -167,6 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--sync", action="store_true", help="wait for the GPU after each forward launch")
     p.add_argument("--bare-reps", type=int, default=20)
+    p.add_argument("--sampling-copies", choices=("pinned", "pageable"), default="pinned",
+                   help="how the sampler's small host tensors reach the GPU: pinned (the engine's way, no wait) or "
+                        "pageable (the earlier way: each copy waits for the stream), for an A/B")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -180,11 +183,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     core, engine_kwargs = build_core(args)
     if args.sync:
         sync_forward(core)
+    if args.sampling_copies == "pageable":
+        import runtime.sampling
+
+        runtime.sampling.to_device = lambda t, device: t.to(device)
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
+        "sampling_copies": args.sampling_copies,
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
