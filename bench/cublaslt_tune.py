@@ -1,8 +1,8 @@
 """Every algorithm cuBLASLt's heuristic lists for the decode step's products, timed against `F.linear` (H200).
 
-    python bench/cublaslt_tune.py --out bench/results/cublaslt-tune-h200.json
+    python bench/cublaslt_tune.py --out bench/results/cublaslt-tune-h200/cublaslt-tune-h200.json
 
-PyTorch runs the heuristic's first algorithm; `runtime/kernels/cublaslt.py` can run any listed one. For each
+PyTorch runs the heuristic's first algorithm; `bench/cublaslt.py` can run any listed one. For each
 layer matrix of the full shape and each row count, every listed algorithm is first checked against a float32
 product on random data (relative error under 1e-2, all finite), then timed per call in a CUDA graph of 16
 calls over 4 weight copies (L2 holds none of them), as `bench/rows_gemm.py` times its kernels. `F.linear` is
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from bench.cublaslt import LtMatmul
 from bench.fast_tools import copy_bandwidth_gbps, emit, log, time_ms
-from runtime.kernels.cublaslt import LtMatmul
 
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
             "audio_head": (16384 + 8, 4096), "text_head": (151680, 4096)}

@@ -5,8 +5,9 @@ PyTorch asks cuBLASLt's heuristic for ONE algorithm per product shape and has no
 heuristic can list many: other tile shapes, split-K counts and reduction schemes. `LtMatmul` asks for up to
 `max_algos` of them for `y[M, N] = x[M, K] @ w[N, K]^T` (bf16 or fp16 in and out, float32 accumulation,
 the same product `F.linear` runs) and runs any one of them on the current stream, so it can be captured in
-a CUDA graph. Which one is fastest is measured, not guessed (`bench/cublaslt_tune.py`); `LinearAlgos` holds
-the chosen algorithm per (M, N, K) for the fast forward pass.
+a CUDA graph. Which one is fastest is measured, not guessed (`bench/cublaslt_tune.py`). Measured on the H200
+(bench/results/cublaslt-tune-h200/): no listed algorithm beats the first by more than a few percent on the
+decode step's products, so the engine keeps `F.linear` and this stays a bench tool.
 
 In cuBLAS's column-major terms the row-major product is D[N, M] = op(A) B with A = w viewed as a K x N
 column-major matrix (ld K, transposed), B = x as K x M (ld K) and D as N x M (ld N): the "TN" form whose
@@ -210,23 +211,3 @@ def _config(lib: ctypes.CDLL, algo: _Algo) -> dict[str, int]:
         if status == 0:
             out[name] = int(val.value)
     return out
-
-
-class LinearAlgos:
-    """Chosen cuBLASLt algorithms per product shape; `linear(x, w)` runs the chosen one or `F.linear`."""
-
-    def __init__(self) -> None:
-        self._plans: dict[tuple[int, int, int, torch.dtype], tuple[LtMatmul, Algorithm]] = {}
-
-    def set(self, plan: LtMatmul, algorithm: Algorithm) -> None:
-        self._plans[(plan.m, plan.n, plan.k, plan.dtype)] = (plan, algorithm)
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        chosen = self._plans.get((x.shape[0], w.shape[0], w.shape[1], x.dtype)) if x.is_cuda else None
-        if chosen is None or not x.is_contiguous():
-            return torch.nn.functional.linear(x, w)
-        plan, algorithm = chosen
-        return plan(x, w, algorithm)
