@@ -23,25 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.cublaslt import LtMatmul
-from bench.fast_tools import copy_bandwidth_gbps, emit, log, time_ms
+from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log
 
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
             "audio_head": (16384 + 8, 4096), "text_head": (151680, 4096)}
 CALLS = 16
-
-
-def graph_us_per_call(calls: list, stream: torch.cuda.Stream) -> float:
-    """`bench.fast_tools.graph_us_per_call` with the capture on `stream` (its cuBLASLt workspace reserved)."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for c in calls:
-            c()
-    return time_ms(graph.replay, 3, 20)["median_ms"] * 1e3 / len(calls)
 
 
 def main() -> None:
@@ -86,10 +72,9 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - reported in the JSON
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 row["algos"].append(entry)
-            timed = [e for e in row["algos"] if "us" in e]
-            row["best"] = min(timed, key=lambda e: e["us"]) if timed else None
+            row["best"] = fastest(row["algos"])
             best = row["best"] or {}
-            log(f"{name} m={m}: torch {row['torch_us']} us ({row['torch_gbps']} GB/s); {len(timed)} of "
+            log(f"{name} m={m}: torch {row['torch_us']} us ({row['torch_gbps']} GB/s); {sum('us' in e for e in row['algos'])} of "
                 f"{row['listed']} algos timed; best {best.get('us')} us (x{best.get('vs_torch')}, index "
                 f"{best.get('index')}, tile {best.get('tile')}, splitk {best.get('splitk')})")
             result["rows"].append(row)

@@ -186,16 +186,26 @@ def kernel_table(fn: Callable[[], object], steps: int = 3, top: int = 16) -> dic
             "launches_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
 
 
-def graph_us_per_call(calls: list[Callable[[], object]]) -> float:
-    """Capture the calls back to back in one CUDA graph; replay time / number of calls, in us."""
-    for c in calls:
-        c()
+def graph_us_per_call(calls: list[Callable[[], object]], stream: torch.cuda.Stream | None = None) -> float:
+    """Capture the calls back to back in one CUDA graph; replay time / number of calls, in us. `stream`: warm
+    up and capture on it (default: warm up on the current stream, capture on PyTorch's capture stream)."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # None: the current stream
+        for c in calls:
+            c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for c in calls:
             c()
     return time_ms(graph.replay, 3, 20)["median_ms"] * 1e3 / len(calls)
+
+
+def fastest(entries: list[dict]) -> dict | None:
+    """The timed entry (one with "us") of least time, or None when none was timed."""
+    timed = [e for e in entries if "us" in e]
+    return min(timed, key=lambda e: e["us"]) if timed else None
 
 
 def gemv_microbench(device: torch.device) -> list[dict]:

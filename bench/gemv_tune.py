@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
+from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import quantize_weight
 from runtime.kernels.gemv import NONE, OPTIONS, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
@@ -352,8 +352,7 @@ def sweep(args: argparse.Namespace) -> dict:
                 except Exception as exc:  # noqa: BLE001 - reported in the JSON
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 row["shapes"].append(entry)
-            timed = [e for e in row["shapes"] if "us" in e]
-            row["best"] = min(timed, key=lambda e: e["us"]) if timed else None
+            row["best"] = fastest(row["shapes"])
             log(f"{name} {dtype} {_label(setting)}: table {row['table']} best {row['best']}")
             result["matrices"].append(row)
         OPTIONS.update(base)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
+from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log
 from runtime.kernels.launch import pdl_args, pdl_enter
 
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -123,8 +123,7 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - reported in the JSON (e.g. too much shared memory)
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 row["tiles"].append(entry)
-            timed = [e for e in row["tiles"] if "us" in e]
-            row["best"] = min(timed, key=lambda e: e["us"]) if timed else None
+            row["best"] = fastest(row["tiles"])
             log(f"{name} m={m}: cuBLAS {row['cublas_us']} us ({row['cublas_gbps']} GB/s); best {row['best']}")
             result["rows"].append(row)
             emit(result, Path(args.out) if args.out else None)
