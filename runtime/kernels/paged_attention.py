@@ -35,11 +35,19 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    if KV_FIRST:  # grid (KV heads, sequences, partitions): a sequence's KV heads are launched side by side
+        kvh = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
     part = tl.program_id(2)
+    # cache element offsets: [blocks, block_size, KV, D] (HEAD_MAJOR: [blocks, KV, block_size, D])
+    TOK_STRIDE: tl.constexpr = HEAD_DIM if HEAD_MAJOR else NUM_KV * HEAD_DIM
+    HEAD_STRIDE: tl.constexpr = BLOCK_SIZE * HEAD_DIM if HEAD_MAJOR else HEAD_DIM
     seq_len = tl.load(seq_lens_ptr + seq)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -65,7 +73,7 @@ def _decode_kernel(
                              tl.load(qw_ptr + d)[None, :], tl.load(qw_ptr + partner)[None, :], cos, sin, d, eps,
                              HEAD_DIM)  # [GP, D]
         if (seq_len - 1 >= start) & (seq_len - 1 < start + PART):
-            slot = tl.load(slot_ptr + seq)
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
             if slot >= 0:
                 k_row = row_ptr + (num_heads + kvh) * HEAD_DIM
                 k_new, _k_raw = rms_rope(
@@ -73,7 +81,8 @@ def _decode_kernel(
                     tl.load(kw_ptr + d)[None, :], tl.load(kw_ptr + partner)[None, :], cos, sin, d, eps, HEAD_DIM,
                 )  # [1, D]
                 v_new = tl.load(row_ptr + (num_heads + NUM_KV + kvh) * HEAD_DIM + d)
-                new_off = slot * (NUM_KV * HEAD_DIM) + kvh * HEAD_DIM + d
+                new_off = ((slot // BLOCK_SIZE) * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (slot % BLOCK_SIZE) * TOK_STRIDE
+                           + kvh * HEAD_STRIDE + d)
                 tl.store(k_ptr + new_off[None, :], k_new.to(k_ptr.dtype.element_ty))
                 tl.store(v_ptr + new_off, v_new.to(v_ptr.dtype.element_ty))
             tl.debug_barrier()  # the loop reads them back, stored by other threads of this program
@@ -88,8 +97,8 @@ def _decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
         blk = tl.load(tables_ptr + seq * max_blocks + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        slot = blk * BLOCK_SIZE + n % BLOCK_SIZE  # [BN]
-        kv_off = slot[:, None] * (NUM_KV * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]  # [BN, D]
+        tok = blk * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (n % BLOCK_SIZE) * TOK_STRIDE  # [BN]
+        kv_off = tok[:, None] + kvh * HEAD_STRIDE + d[None, :]  # [BN, D]
         k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
@@ -137,6 +146,14 @@ BLOCK_N_DECODE = 64
 SPLIT_BELOW = 128  # sequences x KV heads under which keys are split (measured: splitting at 32 x 8 or
 # 64 x 8 programs cost more in partial writes + merge than it gained)
 TARGET_PROGRAMS = 512
+# From this many programs (sequences x KV heads, keys not split) a one-warp program over 32-key tiles in 2
+# stages streams the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us,
+# 128 x 512 68.2 against 77.0 us, 128 x 2048 245 against 258 us; at 64 x 512 a tie (39.5 against 40.1), at
+# 64 x 2048 3% slower, at 48 and fewer slower (bench/results/decode-attention-tune-h200/). The same tile in
+# 3 stages times the same but hangs the GPU (Triton 3.6 on the H200) when the q/k RoPE is fused and a
+# sequence has at most 32 keys (one loop trip), e.g. a padding row: bench/decode_attention_lengths.py.
+NARROW_FROM = 768
+NARROW_LAUNCH = (32, 1, 2)  # key tile, warps, stages
 
 
 def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -149,6 +166,14 @@ def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
     return triton.next_power_of_2(min(wanted, most))
 
 
+def decode_launch(batch: int, num_kv_heads: int, num_parts: int) -> tuple[int, int, int]:
+    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_FROM)."""
+    if num_parts == 1 and batch * num_kv_heads >= NARROW_FROM:
+        return NARROW_LAUNCH
+    # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
+    return BLOCK_N_DECODE, 4, 3 if num_parts > 1 else 2
+
+
 def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
     """Keys per partition: a multiple of the key tile, num_parts of them cover max_context."""
     per = math.ceil(max_context / num_parts)
@@ -157,51 +182,61 @@ def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, num_parts: int = 1, *, block_n: int = BLOCK_N_DECODE, num_warps: int = 4,
-    num_stages: int | None = None,
+    seq_lens: torch.Tensor, num_parts: int = 1, *, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, kv_first: bool = False, head_major: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] (one row per sequence) over the layer's paged cache -> [B, H, D].
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (>= 1; context including the new row).
     The keys a block table can address are split into `num_parts` equal partitions (see
     `decode_num_parts`); with more than one, a second kernel merges the partial softmaxes.
+    Launch options (measured by bench/decode_attention_tune.py): key tile `block_n`, `num_warps`,
+    `num_stages` (None: `decode_launch`'s choice); `kv_first` launches a sequence's KV-head programs side by side; `head_major`: the caches
+    are [num_blocks, KV, block_size, D] instead of [num_blocks, block_size, KV, D].
     """
     return _decode(q, None, q.shape[1], k_cache, v_cache, block_tables, seq_lens, num_parts, block_n=block_n,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, kv_first=kv_first, head_major=head_major)
 
 
 def paged_decode_attention_rope(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
-    eps: float, *, store_only: bool = False,
+    eps: float, *, store_only: bool = False, **launch,
 ) -> torch.Tensor | None:
     """`qk_norm_rope_store` and `paged_decode_attention` in one kernel: qkv [B, (H + 2KV) * D] (the QKV
     projection of one new row per sequence, at positions [B] = seq_lens - 1) -> attention output [B, H, D];
     the rows' K/V are stored at slot_mapping [B] (slot < 0: not stored) as `qk_norm_rope_store` stores them.
     `store_only`: the same kernel stores the K/V (bit-equal to what the whole kernel stores), attends to
-    nothing and returns None."""
+    nothing and returns None. `launch`: the launch options of `paged_decode_attention` (benchmarks)."""
     assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     rope = (qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, float(eps))
-    out = _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts, store_only=store_only)
+    out = _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts, store_only=store_only,
+                  **launch)
     return None if store_only else out
 
 
 def _decode(
     q: torch.Tensor | None, rope: tuple | None, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int = BLOCK_N_DECODE,
-    num_warps: int = 4, num_stages: int | None = None, store_only: bool = False,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, store_only: bool = False, kv_first: bool = False,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
     src = q if q is not None else rope[0]
     batch = src.shape[0]
-    _, block_size, num_kv, head_dim = k_cache.shape
+    if head_major:
+        _, num_kv, block_size, head_dim = k_cache.shape
+    else:
+        _, block_size, num_kv, head_dim = k_cache.shape
     group = num_heads // num_kv
     out = torch.empty(batch, num_heads, head_dim, device=src.device, dtype=src.dtype)
     scale = 1.0 / math.sqrt(head_dim)
+    chosen = decode_launch(batch, num_kv, num_parts)
+    block_n = chosen[0] if block_n is None else block_n
+    num_warps = chosen[1] if num_warps is None else num_warps
+    num_stages = chosen[2] if num_stages is None else num_stages
     part = _part_len(block_tables.shape[1] * block_size, num_parts, block_n)
-    if num_stages is None:  # measured (bench/fast_tools.py sweep): 3 stages help split keys at 1 sequence
-        num_stages = 3 if num_parts > 1 else 2
     if num_parts > 1:
         part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=src.device, dtype=torch.float32)
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=src.device, dtype=torch.float32)
@@ -209,13 +244,13 @@ def _decode(
         part_acc = part_ml = out
     # without `rope` its pointers are unused: any tensor stands in
     qkv, q_norm, k_norm, cos, sin, positions, slots, eps = rope if rope is not None else (src,) * 7 + (0.0,)
-    _decode_kernel[(batch, num_kv, num_parts)](
+    _decode_kernel[(num_kv, batch, num_parts) if kv_first else (batch, num_kv, num_parts)](
         src, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
         qkv, q_norm, k_norm, cos, sin, positions, slots, eps,
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
-        FUSE_ROPE=rope is not None, STORE_ONLY=store_only, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(),
+        FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )
     if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
