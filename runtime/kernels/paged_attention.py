@@ -13,6 +13,7 @@ Cache layout per layer: [num_blocks, block_size, KV, D]; slot = block_id * block
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -166,12 +167,19 @@ def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
     return triton.next_power_of_2(min(wanted, most))
 
 
-def decode_launch(batch: int, num_kv_heads: int, num_parts: int) -> tuple[int, int, int]:
-    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_FROM)."""
-    if num_parts == 1 and batch * num_kv_heads >= NARROW_FROM:
+def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = True) -> tuple[int, int, int]:
+    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_FROM).
+    `narrow`: the narrow launch may be used (Hopper, where it was measured and checked)."""
+    if narrow and num_parts == 1 and batch * num_kv_heads >= NARROW_FROM:
         return NARROW_LAUNCH
     # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
     return BLOCK_N_DECODE, 4, 3 if num_parts > 1 else 2
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    """Compute capability 9.x: the narrow launch was measured (and its loop-trip check run) only there."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
@@ -232,7 +240,7 @@ def _decode(
     group = num_heads // num_kv
     out = torch.empty(batch, num_heads, head_dim, device=src.device, dtype=src.dtype)
     scale = 1.0 / math.sqrt(head_dim)
-    chosen = decode_launch(batch, num_kv, num_parts)
+    chosen = decode_launch(batch, num_kv, num_parts, narrow=_is_hopper(src.device))
     block_n = chosen[0] if block_n is None else block_n
     num_warps = chosen[1] if num_warps is None else num_warps
     num_stages = chosen[2] if num_stages is None else num_stages

@@ -315,8 +315,8 @@ def test_decode_steps_fuse_rope_into_attention_only_without_key_partitions(
 
 def test_decode_attention_launch_shape_by_grid() -> None:
     """The decode kernel's launch shape: one-warp, 32-key, 2-stage programs from 96 sequences x 8 KV heads
-    with unsplit keys (3 stages hang the GPU with the fused RoPE at one loop trip: bench/results/
-    decode-attention-tune-h200/), the wide shape below that and whenever keys are split."""
+    with unsplit keys on Hopper (3 stages hang the GPU with the fused RoPE at one loop trip: bench/results/
+    decode-attention-tune-h200/), the wide shape below that, whenever keys are split, and elsewhere."""
     pytest.importorskip("triton")
     from runtime.kernels.paged_attention import decode_launch, decode_num_parts
 
@@ -326,6 +326,7 @@ def test_decode_attention_launch_shape_by_grid() -> None:
     assert decode_launch(95, 8, 1) == (64, 4, 2)
     assert decode_launch(64, 8, 1) == (64, 4, 2)
     assert decode_launch(128, 8, 2) == (64, 4, 3)
+    assert decode_launch(128, 8, 1, narrow=False) == (64, 4, 2)  # off Hopper: not measured there
     assert decode_launch(1, 8, decode_num_parts(1, 8, 512)) == (64, 4, 3)
     assert decode_num_parts(96, 8, 4096) == 1 and decode_num_parts(1, 8, 512) == 8
 
