@@ -3,7 +3,7 @@
     python bench/decode_attention_lengths.py --configs "32,1,2;64,4,2" --out bench/results/decode-attention-tune-h200/lengths.json
 
 Each (key tile, warps, stages) runs the decode kernel with and without the fused q/k RoPE + K/V store, and the
-store-only mode, at 96 and 128 sequences whose contexts are 1, 2, 3, 15-17, 31-34, 63-66, 95-97, 100, 513,
+store-only mode, at `--batches` sequences (96 and 128) whose contexts are 1, 2, 3, 15-17, 31-34, 63-66, 95-97, 100, 513,
 1000 keys or mixed (1-1023), with the new rows stored or all padding (slot -1), and compares each output with
 the engine's wide launch (64, 4, 2). A launch that hangs the GPU never returns: a watchdog ends the process
 after `--watchdog` seconds with a traceback, so run one process per config in a loop (as the command in the
@@ -31,16 +31,16 @@ LENGTHS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 34, 63, 64, 65, 66, 95, 96, 97, 100,
 WIDE = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-def check_config(cfg: dict, dev: torch.device) -> dict:
+def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 128)) -> dict:
     """Every case for one launch shape -> {"cases": n, "max_abs_vs_wide": x, "all_finite": bool}."""
     cos, sin = rope_tables(4096, DIM, 1e6, torch.bfloat16, dev)
     q_norm = torch.ones(DIM, device=dev, dtype=torch.bfloat16)
-    k_cache = torch.randn(8976, BLOCK, KV, DIM, device=dev, dtype=torch.bfloat16)
+    k_cache = torch.randn(max(batches) * WIDTH, BLOCK, KV, DIM, device=dev, dtype=torch.bfloat16)  # no sharing
     v_cache = torch.randn_like(k_cache)
     gen = torch.Generator().manual_seed(0)
     cases, worst, finite = 0, 0.0, True
-    for batch in (96, 128):
-        tables = torch.arange(batch * WIDTH, dtype=torch.int32, device=dev).view(batch, WIDTH) % k_cache.shape[0]
+    for batch in batches:
+        tables = torch.arange(batch * WIDTH, dtype=torch.int32, device=dev).view(batch, WIDTH)
         for n in LENGTHS:
             if n == "mixed":
                 lens = torch.randint(1, BLOCK * WIDTH, (batch,), generator=gen, dtype=torch.int32).to(dev)
@@ -71,6 +71,7 @@ def check_config(cfg: dict, dev: torch.device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="32,1,2", help="key tile,warps,stages;...")
+    ap.add_argument("--batches", default="96,128", help="sequences per call")
     ap.add_argument("--watchdog", type=float, default=100.0, help="seconds before a hung process is ended")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -83,7 +84,8 @@ def main() -> None:
         bn, warps, stages = (int(v) for v in spec.split(","))
         cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         log(f"{spec} ...")
-        result["configs"].append({"config": spec, **check_config(cfg, dev)})
+        batches = tuple(int(b) for b in args.batches.split(","))
+        result["configs"].append({"config": spec, "batches": list(batches), **check_config(cfg, dev, batches)})
         log(f"{spec}: {result['configs'][-1]}")
     emit(result, Path(args.out) if args.out else None)
 

@@ -4,9 +4,10 @@
 
 The kernel the serving path runs from 16 streams up (`paged_decode_attention_rope`: q/k norm + RoPE, the
 new row's K/V stored, attention over the paged cache; full-shape heads: 32 query, 8 KV, D 128; 16-token
-pages) is timed for each key tile x warps x stages, each grid order (`kv_first`: a sequence's KV-head
-programs side by side) and each cache layout (`head_major`: [blocks, KV, block_size, D], a page of one KV
-head contiguous, instead of the engine's [blocks, block_size, KV, D]). Each sequence has `--context` earlier
+pages) is timed for each key tile x warps x stages (`--configs`), with `--orders` also in each grid order
+(`kv_first`: a sequence's KV-head programs side by side) and cache layout (`head_major`: [blocks, KV,
+block_size, D], a page of one KV head contiguous, instead of the engine's [blocks, block_size, KV, D]), with
+`--parts2` also over 2 key partitions (+ the merge kernel). Each sequence has `--context` earlier
 tokens on pages spread over the whole cache (a shuffled block table, as a long-running server's pages end up).
 A call is timed per layer in a CUDA graph of one call per layer (`--layers` caches, so L2 holds none of the
 keys), KV bytes read / time against the device copy rate of the same run.
@@ -85,7 +86,8 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
         k = torch.randn(blocks, BLOCK, KV, DIM, device=dev, dtype=torch.bfloat16)
         v = torch.randn(blocks, BLOCK, KV, DIM, device=dev, dtype=torch.bfloat16)
         caches[False].append((k, v))
-        caches[True].append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
+        if args.orders:
+            caches[True].append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
     parts = decode_num_parts(batch, KV, width * BLOCK)
     nbytes = 2 * batch * seq_len * KV * DIM * 2
     row: dict = {"batch": batch, "parts": parts, "kv_bytes_per_call": nbytes, "variants": []}

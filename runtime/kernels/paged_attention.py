@@ -147,13 +147,15 @@ BLOCK_N_DECODE = 64
 SPLIT_BELOW = 128  # sequences x KV heads under which keys are split (measured: splitting at 32 x 8 or
 # 64 x 8 programs cost more in partial writes + merge than it gained)
 TARGET_PROGRAMS = 512
-# From this many programs (sequences x KV heads, keys not split) a one-warp program over 32-key tiles in 2
-# stages streams the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us,
-# 128 x 512 68.2 against 77.0 us, 128 x 2048 245 against 258 us; at 64 x 512 a tie (39.5 against 40.1), at
-# 64 x 2048 3% slower, at 48 and fewer slower (bench/results/decode-attention-tune-h200/). The same tile in
-# 3 stages times the same but hangs the GPU (Triton 3.6 on the H200) when the q/k RoPE is fused and a
-# sequence has at most 32 keys (one loop trip), e.g. a padding row: bench/decode_attention_lengths.py.
-NARROW_FROM = 768
+# For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
+# stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
+# 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
+# lose or tie (how many programs fit an SM decides; waves): 160 x 512 98.2 against 91.1, 192 x 512 116.9
+# against 113.5, 64 x 512 39.5 against 40.1 (64 x 2048 3% slower), 48 and fewer slower
+# (bench/results/decode-attention-tune-h200/). The same tile in 3 stages times the same but hangs the GPU
+# (Triton 3.6 on the H200) when the q/k RoPE is fused and a sequence has at most 32 keys (one loop trip),
+# e.g. a padding row: bench/decode_attention_lengths.py.
+NARROW_PROGRAMS = ((768, 1024), (2048, 2048))  # inclusive ranges of sequences x KV heads
 NARROW_LAUNCH = (32, 1, 2)  # key tile, warps, stages
 
 
@@ -168,9 +170,10 @@ def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
 
 
 def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = True) -> tuple[int, int, int]:
-    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_FROM).
+    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_PROGRAMS).
     `narrow`: the narrow launch may be used (Hopper, where it was measured and checked)."""
-    if narrow and num_parts == 1 and batch * num_kv_heads >= NARROW_FROM:
+    programs = batch * num_kv_heads
+    if narrow and num_parts == 1 and any(lo <= programs <= hi for lo, hi in NARROW_PROGRAMS):
         return NARROW_LAUNCH
     # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
     return BLOCK_N_DECODE, 4, 3 if num_parts > 1 else 2

@@ -314,16 +314,21 @@ def test_decode_steps_fuse_rope_into_attention_only_without_key_partitions(
 
 
 def test_decode_attention_launch_shape_by_grid() -> None:
-    """The decode kernel's launch shape: one-warp, 32-key, 2-stage programs from 96 sequences x 8 KV heads
-    with unsplit keys on Hopper (3 stages hang the GPU with the fused RoPE at one loop trip: bench/results/
+    """The decode kernel's launch shape: one-warp, 32-key, 2-stage programs for 96-128 and 256 sequences x
+    8 KV heads (the grids where it was measured faster) with unsplit keys on Hopper (3 stages hang the GPU with the fused RoPE at one loop trip: bench/results/
     decode-attention-tune-h200/), the wide shape below that, whenever keys are split, and elsewhere."""
     pytest.importorskip("triton")
     from runtime.kernels.paged_attention import decode_launch, decode_num_parts
 
     assert decode_launch(128, 8, 1) == (32, 1, 2)
     assert decode_launch(96, 8, 1) == (32, 1, 2)
-    assert decode_launch(192, 4, 1) == (32, 1, 2)
+    assert decode_launch(256, 8, 1) == (32, 1, 2)
+    assert decode_launch(192, 4, 1) == (32, 1, 2)  # 768 programs
     assert decode_launch(95, 8, 1) == (64, 4, 2)
+    assert decode_launch(129, 8, 1) == (64, 4, 2)
+    assert decode_launch(160, 8, 1) == (64, 4, 2)
+    assert decode_launch(192, 8, 1) == (64, 4, 2)
+    assert decode_launch(512, 8, 1) == (64, 4, 2)
     assert decode_launch(64, 8, 1) == (64, 4, 2)
     assert decode_launch(128, 8, 2) == (64, 4, 3)
     assert decode_launch(128, 8, 1, narrow=False) == (64, 4, 2)  # off Hopper: not measured there
