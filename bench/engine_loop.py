@@ -170,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampling-copies", choices=("pinned", "pageable"), default="pinned",
                    help="how the sampler's small host tensors reach the GPU: pinned (the engine's way, no wait) or "
                         "pageable (the earlier way: each copy waits for the stream), for an A/B")
+    p.add_argument("--decode-inputs", choices=("staged", "tensors"), default="staged",
+                   help="how a graph decode step's inputs reach the GPU: staged (the engine's way: one copy from a "
+                        "pinned mirror) or tensors (the earlier way: a tensor per input), for an A/B")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -187,12 +190,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import runtime.sampling
 
         runtime.sampling.to_device = lambda t, device: t.to(device)
+    if args.decode_inputs == "tensors":
+        import runtime.model_runner
+
+        runtime.model_runner.STAGED_DECODE_INPUTS = False
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
-        "sampling_copies": args.sampling_copies,
+        "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs,
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -11,8 +11,10 @@ what CPU tests check.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from runtime.fast_forward import FastForward, StepInputs, max_blocks_for
@@ -60,12 +62,31 @@ class DecodeGraphRunner:
         self.max_context = self.max_blocks * kv_cache.block_size
         largest = self.buckets[-1]
         dev = self.device
-        self.tokens = torch.zeros(largest, dtype=torch.long, device=dev)  # [Bmax]
-        self.is_audio = torch.zeros(largest, dtype=torch.bool, device=dev)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=dev)  # [Bmax, W]
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=dev)
+        # The inputs a replay reads live in one device buffer (typed views of it), so `run_host` fills a host
+        # mirror and moves a step's inputs with one copy; the block tables come last, so a step copies only
+        # the prefix its bucket reads.
+        fields = (("tokens", torch.long, (largest,)), ("positions", torch.long, (largest,)),
+                  ("slot_mapping", torch.long, (largest,)), ("seq_lens", torch.int32, (largest,)),
+                  ("is_audio", torch.bool, (largest,)), ("block_tables", torch.int32, (largest, self.max_blocks)))
+        offsets, size = {}, 0
+        for name, dtype, shape in fields:
+            offsets[name] = size
+            size += -(-math.prod(shape) * dtype.itemsize // 16) * 16  # 16-byte aligned
+        self._inputs = torch.zeros(size, dtype=torch.uint8, device=dev)
+        pinned = dev.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) if pinned else self._inputs
+        self._host_np: dict[str, np.ndarray] = {}
+        for name, dtype, shape in fields:
+            start, n = offsets[name], math.prod(shape) * dtype.itemsize
+            setattr(self, name, self._inputs[start:start + n].view(dtype).view(shape))
+            self._host_np[name] = self._host[start:start + n].view(dtype).view(shape).numpy()
+        self._tables_offset = offsets["block_tables"]
+        # marks the last host-to-device copy of `run_host` (the mirror is not rewritten before it has run)
+        self._staged = torch.cuda.Event() if pinned else None
+        self._staged_pending = False
+        self._reset_padding(0)  # slot -1, context 1 (here and in the host mirror)
+        self._host_np["slot_mapping"][:] = -1
+        self._host_np["seq_lens"][:] = 1
         self.query_start = torch.arange(largest + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(largest, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -140,6 +161,10 @@ class DecodeGraphRunner:
         self.block_tables[:batch, :width].copy_(block_tables)
         self.seq_lens[:batch].copy_(seq_lens)
         self._reset_padding(batch)
+        return self._replay(batch, bucket, text)
+
+    def _replay(self, batch: int, bucket: int, text: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Replay (or run eagerly) the bucket's step on the inputs in place -> the first `batch` rows."""
         if not text and bucket in self.audio_graphs:
             self.audio_graphs[bucket].replay()
             return None, self.audio_outputs[bucket][:batch]
@@ -150,23 +175,39 @@ class DecodeGraphRunner:
             text_logits, audio = self.forward(self._step(bucket), self.kv_cache, text=text)
         return (text_logits[:batch] if text and text_logits is not None else None), audio[:batch]
 
-    def run_lists(
-        self, tokens: Sequence[int], is_audio: Sequence[bool], positions: Sequence[int],
-        slot_mapping: Sequence[int], block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
-        *, text: bool = True,
+    @torch.inference_mode()
+    def run_host(
+        self, tokens: Sequence[int] | np.ndarray, is_audio: Sequence[bool] | np.ndarray,
+        positions: Sequence[int] | np.ndarray, slot_mapping: Sequence[int] | np.ndarray,
+        block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, text: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """`run` from host lists (what the model runner has); block tables may differ in length."""
+        """`run` from host data (what the model runner has; block tables may differ in length): the step's
+        inputs and the bucket's padding rows are written into a pinned host mirror of the input buffer and
+        reach the GPU in one non-blocking copy, instead of a copy per tensor from pageable memory (each of
+        which holds the host until it is done) plus a copy and a fill per static buffer on the GPU."""
+        batch = len(seq_lens)
+        bucket = self.bucket_for(batch)
         width = max(len(t) for t in block_tables)
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        dev = self.device
-        return self.run(
-            torch.tensor(list(tokens), dtype=torch.long).to(dev),
-            torch.tensor(list(is_audio), dtype=torch.bool).to(dev),
-            torch.tensor(list(positions), dtype=torch.long).to(dev),
-            torch.tensor(list(slot_mapping), dtype=torch.long).to(dev),
-            tables.to(dev),
-            torch.tensor(list(seq_lens), dtype=torch.int32).to(dev), text=text,
-        )
+        if width > self.max_blocks:
+            raise ValueError(f"block table of {width} blocks exceeds max_model_len ({self.max_blocks} blocks)")
+        if self._staged_pending:
+            self._staged.synchronize()  # the previous step's copy has read the mirror (normally long since)
+        h = self._host_np
+        for name, values, pad in (("tokens", tokens, 0), ("is_audio", is_audio, False),
+                                  ("positions", positions, 0), ("slot_mapping", slot_mapping, -1),
+                                  ("seq_lens", seq_lens, 1)):
+            h[name][:batch] = values
+            h[name][batch:] = pad
+        tables = h["block_tables"]
+        tables[:bucket] = 0
+        for i, table in enumerate(block_tables):
+            tables[i, :len(table)] = table
+        if self._host is not self._inputs:
+            end = self._tables_offset + bucket * self.max_blocks * 4
+            self._inputs[:end].copy_(self._host[:end], non_blocking=True)
+            self._staged.record()
+            self._staged_pending = True
+        return self._replay(batch, bucket, text)
 
 
 DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)

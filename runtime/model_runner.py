@@ -25,6 +25,10 @@ from runtime.model import MossSpeechForCausalLM, split_rows
 from runtime.sampling import RequestSampler, sample_next_rows
 from runtime.scheduler import SchedulerOutput
 
+# Decode steps for the graph runner keep their inputs on the host and move them in one copy
+# (`DecodeGraphRunner.run_host`); False: device tensors per input, as before (bench/engine_loop.py A/B).
+STAGED_DECODE_INPUTS = True
+
 
 @dataclass
 class ModelInput:
@@ -37,6 +41,9 @@ class ModelInput:
     sample_indices: torch.Tensor  # [K] index into the S sequences of those that sample this step
     sample_request_ids: list[str]  # [K]
     samplers: list[RequestSampler]  # [K]
+    # a decode step for the graph runner: the tensors above stay on the host (`DecodeGraphRunner.run_host`
+    # moves them in one copy) and every sequence samples (sample_indices = 0..S-1)
+    host_decode: bool = False
 
     @property
     def needs_text_logits(self) -> bool:
@@ -102,16 +109,20 @@ class ModelRunner:
                 sample_request_ids.append(seq.request_id)
                 samplers.append(seq.sampler)
         tokens, is_audio = split_rows(rows)  # [N], [N]
-        attn = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_cache.block_size, self.device,
+        host_decode = (STAGED_DECODE_INPUTS and self.graphs is not None and max(query_lens) == 1
+                       and len(query_lens) <= self.graphs.max_batch and len(sample_indices) == len(query_lens))
+        device = torch.device("cpu") if host_decode else self.device
+        attn = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_cache.block_size, device,
                                        plain_tensors=self.fast is None)
         return ModelInput(
-            tokens=tokens.to(self.device),
-            is_audio=is_audio.to(self.device),
-            positions=attn.positions(self.device),
+            tokens=tokens.to(device),
+            is_audio=is_audio.to(device),
+            positions=attn.positions(device),
             attn=attn,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=self.device),
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
             sample_request_ids=sample_request_ids,
             samplers=samplers,
+            host_decode=host_decode,
         )
 
     @torch.inference_mode()
@@ -133,9 +144,10 @@ class ModelRunner:
         text_logits, audio_logits = logits
         if not inp.samplers:
             return {}
-        if text_logits is not None:
-            text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
-        audio_logits = audio_logits.index_select(0, inp.sample_indices)  # [K, Va]
+        if not inp.host_decode:  # (a host decode step samples every sequence: nothing to select)
+            if text_logits is not None:
+                text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
+            audio_logits = audio_logits.index_select(0, inp.sample_indices)  # [K, Va]
         new_rows = sample_next_rows(text_logits, audio_logits, inp.samplers)
         return dict(zip(inp.sample_request_ids, new_rows, strict=True))
 
@@ -156,6 +168,14 @@ class ModelRunner:
 
         batch = len(attn.query_lens)
         text = not self.audio_only_steps or inp.needs_text_logits
+        if inp.host_decode:
+            self._took("graph")
+            self.num_audio_only_steps += not text
+            # Views of the graph's static outputs: `execute` reads them before the next step.
+            return self.graphs.run_host(
+                inp.tokens.numpy(), inp.is_audio.numpy(), inp.positions.numpy(), attn.slot_mapping.numpy(),
+                attn.block_tables, attn.seq_lens, text=text,
+            )
         if max(attn.query_lens) == 1 and batch <= self.graphs.max_batch:
             self._took("graph")
             self.num_audio_only_steps += not text

@@ -134,6 +134,40 @@ def test_graph_runner_greedy_tokens_equal_plain_path(model: MossSpeechForCausalL
     torch.testing.assert_close(fast_cache.k, plain_cache.k, atol=1e-5, rtol=1e-4)
 
 
+def test_graph_runner_host_inputs_equal_device_inputs(model: MossSpeechForCausalLM) -> None:
+    """`run_host` (a step's inputs written into the host mirror of one input buffer) gives the logits, the
+    cache writes and the static inputs `run` (device tensors per input) gives, padding rows included, also
+    after a larger batch left other values in the rows a smaller one pads."""
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    caches = [allocate_kv_cache(CONFIG, 12, BLOCK_SIZE, "cpu", torch.float32) for _ in range(2)]
+    for cache in caches:
+        cache.k.normal_(generator=torch.Generator().manual_seed(3))
+        cache.v.normal_(generator=torch.Generator().manual_seed(4))
+    runners = [DecodeGraphRunner(fast, cache, max_model_len=24, buckets=(4, 8)) for cache in caches]
+    steps = [  # (tokens, is_audio, positions, block tables, seq lens) per step
+        ([5, 9, 2, 7, 1], [False, True, True, False, True], [6, 3, 9, 4, 2],
+         [[3, 1], [4], [6, 2, 8], [5, 7], [9]], [7, 4, 10, 5, 3]),
+        ([11, 4], [True, False], [7, 10], [[3, 1], [6, 2, 8]], [8, 11]),
+    ]
+    for tokens, is_audio, positions, tables, lens in steps:
+        slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(tables, positions)]
+        width = max(len(t) for t in tables)
+        got = runners[0].run_host(tokens, is_audio, positions, slots, tables, lens)
+        want = runners[1].run(torch.tensor(tokens), torch.tensor(is_audio), torch.tensor(positions),
+                              torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                                dtype=torch.int32),
+                              torch.tensor(lens, dtype=torch.int32))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+        bucket = runners[0].bucket_for(len(lens))
+        for name in ("tokens", "is_audio", "positions", "slot_mapping", "seq_lens"):
+            assert torch.equal(getattr(runners[0], name)[:bucket], getattr(runners[1], name)[:bucket]), name
+        assert torch.equal(runners[0].block_tables[:bucket], runners[1].block_tables[:bucket])
+        assert runners[0].slot_mapping[len(lens):].eq(-1).all() and runners[0].seq_lens[len(lens):].eq(1).all()
+    torch.testing.assert_close(caches[0].k, caches[1].k, atol=0, rtol=0)
+    torch.testing.assert_close(caches[0].v, caches[1].v, atol=0, rtol=0)
+
+
 def test_prefill_runner_pads_to_bucket_and_matches_plain(model: MossSpeechForCausalLM) -> None:
     """A prompt (7 rows -> bucket 8, one padding row) then a chunk over its pages (4 rows -> bucket 4,
     no padding): last-row logits and the cache equal the plain model's; padding wrote nothing."""
