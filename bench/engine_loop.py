@@ -170,9 +170,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampling-copies", choices=("pinned", "pageable"), default="pinned",
                    help="how the sampler's small host tensors reach the GPU: pinned (the engine's way, no wait) or "
                         "pageable (the earlier way: each copy waits for the stream), for an A/B")
-    p.add_argument("--decode-inputs", choices=("staged", "tensors"), default="staged",
+    p.add_argument("--decode-inputs", default="staged",
                    help="how a graph decode step's inputs reach the GPU: staged (the engine's way: one copy from a "
-                        "pinned mirror) or tensors (the earlier way: a tensor per input), for an A/B")
+                        "pinned mirror) or tensors (the earlier way: a tensor per input); a comma list runs every "
+                        "level once per entry, in that order, in this one process (an A/B without the spread "
+                        "between processes)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -190,10 +192,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import runtime.sampling
 
         runtime.sampling.to_device = lambda t, device: t.to(device)
-    if args.decode_inputs == "tensors":
-        import runtime.model_runner
+    import runtime.model_runner
 
-        runtime.model_runner.STAGED_DECODE_INPUTS = False
+    modes = args.decode_inputs.split(",")
+    if any(m not in ("staged", "tensors") for m in modes):
+        raise SystemExit(f"--decode-inputs: staged or tensors, got {args.decode_inputs!r}")
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
@@ -213,12 +216,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
-    for concurrency, count in zip(levels, counts, strict=True):
-        level = run_level(core, make_request, concurrency, count)
-        level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
-        summary["levels"].append(level)
-        if args.out:
-            Path(args.out).write_text(json.dumps(summary) + "\n")
+    for mode in modes:
+        runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
+        for concurrency, count in zip(levels, counts, strict=True):
+            level = {"decode_inputs": mode, **run_level(core, make_request, concurrency, count)}
+            level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
+            summary["levels"].append(level)
+            if args.out:
+                Path(args.out).write_text(json.dumps(summary) + "\n")
     line = json.dumps(summary)
     print(line)
     if args.out:
