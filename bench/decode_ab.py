@@ -39,12 +39,14 @@ from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward
 from runtime.fast_ops import TritonOps
 from runtime.kernels import gemv as gemv_mod
+from runtime.kernels import paged_attention as attn_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows",)
 BOOL_OPTIONS = ("parallel_tails", "fused_rope")
-# kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table")
-KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold")}
+# kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
+# runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
+KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two")}
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -58,7 +60,7 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
         if not sep:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
         options[key] = (int(value) if key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit())
-                        else value == "1" if key in BOOL_OPTIONS else value)
+                        else value == "1" if key in BOOL_OPTIONS or key == "attn_split_two" else value)
     return parts[0], int(parts[1]), options
 
 

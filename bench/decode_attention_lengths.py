@@ -2,13 +2,14 @@
 
     python bench/decode_attention_lengths.py --configs "32,1,2;64,4,2" --out bench/results/decode-attention-tune-h200/lengths.json
 
-Each (key tile, warps, stages) runs the decode kernel with and without the fused q/k RoPE + K/V store, and the
-store-only mode, at `--batches` sequences (96 and 128) whose contexts are 1, 2, 3, 15-17, 31-34, 63-66, 95-97, 100, 513,
-1000 keys or mixed (1-1023), with the new rows stored or all padding (slot -1), and compares each output with
-the engine's wide launch (64, 4, 2). A launch that hangs the GPU never returns: a watchdog ends the process
-after `--watchdog` seconds with a traceback, so run one process per config in a loop (as the command in the
-results README does). Found this way: (32, 1, 3) with the fused RoPE hangs when a sequence has at most 32
-keys (one loop trip); (32, 1, 2) does not (runtime/kernels/paged_attention.py, NARROW_LAUNCH).
+Each (key tile, warps, stages) runs the decode kernel with and without the fused q/k RoPE + K/V store, and
+the store-only mode, at `--batches` sequences (96 and 128) whose contexts are 1, 2, 3, 15-17, 31-34, 63-66,
+95-97, 100, 513, 1000 keys or mixed (1-1023), with the new rows stored or all padding (slot -1), and compares
+each output with the engine's wide launch (64, 4, 2) over unsplit keys (`--parts`: the checked launches split
+them). A launch that hangs the GPU never returns: a watchdog ends the process after `--watchdog` seconds with
+a traceback, so run one process per config in a loop (as the command in the results README does). Found this
+way: (32, 1, 3) with the fused RoPE hangs when a sequence has at most 32 keys (one loop trip); (32, 1, 2)
+does not (runtime/kernels/paged_attention.py, NARROW_LAUNCH).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ LENGTHS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 34, 63, 64, 65, 66, 95, 96, 97, 100,
 WIDE = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 128)) -> dict:
+def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 128), parts: int = 1) -> dict:
     """Every case for one launch shape -> {"cases": n, "max_abs_vs_wide": x, "all_finite": bool}."""
     cos, sin = rope_tables(4096, DIM, 1e6, torch.bfloat16, dev)
     q_norm = torch.ones(DIM, device=dev, dtype=torch.bfloat16)
@@ -53,12 +54,12 @@ def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 1
                 else:
                     slots = tables.long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
                 qkv = torch.randn(batch, (HEADS + 2 * KV) * DIM, device=dev, dtype=torch.bfloat16)
-                args = (qkv, q_norm, q_norm, cos, sin, pos, slots, k_cache, v_cache, tables, lens, 1, HEADS, EPS)
-                got = paged_decode_attention_rope(*args, **cfg)
-                want = paged_decode_attention_rope(*args, **WIDE)
-                paged_decode_attention_rope(*args, store_only=True, **cfg)
+                args = (qkv, q_norm, q_norm, cos, sin, pos, slots, k_cache, v_cache, tables, lens)
+                got = paged_decode_attention_rope(*args, parts, HEADS, EPS, **cfg)
+                want = paged_decode_attention_rope(*args, 1, HEADS, EPS, **WIDE)
+                paged_decode_attention_rope(*args, parts, HEADS, EPS, store_only=True, **cfg)
                 q = torch.randn(batch, HEADS, DIM, device=dev, dtype=torch.bfloat16)
-                got_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1, **cfg)
+                got_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, parts, **cfg)
                 want_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1, **WIDE)
                 torch.cuda.synchronize()
                 finite &= bool(torch.isfinite(got).all() and torch.isfinite(got_q).all())
@@ -72,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="32,1,2", help="key tile,warps,stages;...")
     ap.add_argument("--batches", default="96,128", help="sequences per call")
+    ap.add_argument("--parts", type=int, default=1, help="key partitions of the checked launches")
     ap.add_argument("--watchdog", type=float, default=100.0, help="seconds before a hung process is ended")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -85,7 +87,8 @@ def main() -> None:
         cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         log(f"{spec} ...")
         batches = tuple(int(b) for b in args.batches.split(","))
-        result["configs"].append({"config": spec, "batches": list(batches), **check_config(cfg, dev, batches)})
+        result["configs"].append({"config": spec, "batches": list(batches), "parts": args.parts,
+                                  **check_config(cfg, dev, batches, args.parts)})
         log(f"{spec}: {result['configs'][-1]}")
     emit(result, Path(args.out) if args.out else None)
 

@@ -115,7 +115,8 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
                  "shuffled")
                 for kf, hm in orders for bn, w, s in configs]
     variants.append(("default_parts2", {}, 2, "shuffled"))
-    variants += [(f"bn{bn}_w{w}_s{s}_parts2", {"block_n": bn, "num_warps": w, "num_stages": s}, 2, "shuffled")
+    variants += [(f"bn{bn}_w{w}_s{s}_parts{n}", {"block_n": bn, "num_warps": w, "num_stages": s}, n, "shuffled")
+                 for n in (int(v) for v in args.split_parts.split(","))
                  for bn, w, s in (parse_configs(args.parts2) if args.parts2 else [])]
     variants += [("default_again", {}, parts, "shuffled"), ("default_in_order", {}, parts, "in_order")]
     for name, opts, n_parts, table_name in variants:
@@ -161,7 +162,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--configs", default="", help="key tile,warps,stages;... (default: CONFIGS)")
     ap.add_argument("--orders", action="store_true", help="also each grid order and cache layout")
-    ap.add_argument("--parts2", default="", help="configs also timed with 2 key partitions (+ the merge)")
+    ap.add_argument("--parts2", default="", help="configs also timed over key partitions (+ the merge)")
+    ap.add_argument("--split-parts", default="2", help="the partition counts --parts2 uses")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -22,6 +22,9 @@ from runtime.fused import FusedWeights, LayerWeights
 from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.kv_cache import KVCache
 
+# decode steps with at most this many key partitions fuse the q/k RoPE into the attention kernel
+FUSED_ROPE_MAX_PARTS = 2
+
 
 @dataclass
 class StepInputs:
@@ -93,15 +96,16 @@ class FastForward:
         streams 0-2%. Prefill steps stay on one stream: they are compute-bound (512 rows: -0.8% to +2.6%
         over 3 runs), and the second stream's activations in the prefill graphs cost 0.5 GiB of the 24 GB
         profile's memory (bench/profile_24gb.py, docs/gpu.md).
-        `fused_rope`: decode steps whose attention does not split keys (no key partitions: batch x KV heads
-        >= 128, i.e. 16+ streams here) run the q/k norm, RoPE and K/V store inside the attention kernel
-        (`decode_attention_rope`, one launch per layer fewer); off, or with key partitions: the two ops one
-        after the other. Same math and roundings; only the float32 sum in each head's norm may run in
+        `fused_rope`: decode steps whose attention splits keys in at most FUSED_ROPE_MAX_PARTS partitions
+        (batch x KV heads >= 128, i.e. 16+ streams here) run the q/k norm, RoPE and K/V store inside the
+        attention kernel (`decode_attention_rope`, one launch per layer fewer); off, or with more partitions:
+        the two ops one after the other. Same math and roundings; only the float32 sum in each head's norm may run in
         another order, so a last bit of q or k can differ (bench/fast_checks.py). Measured on the H200
         (bench/results/decode-rope-h200/, two runs): 128 streams 8.98 -> 8.89 and 8.98 -> 8.73 ms, 64 streams
         6.70 -> 6.68 and 6.71 -> 6.65; at one stream, where each of 16 key partitions repeats the query's
         rotation and the one holding the new key waits for its store, 4.51 -> 4.62 / 4.69 ms (bf16) and
-        2.73 -> 2.84 / 2.86 ms (FP8), hence the rule."""
+        2.73 -> 2.84 / 2.86 ms (FP8), hence the rule; with 2 partitions (16-31 streams) the fused kernel is
+        what was measured faster (bench/results/decode-attention-tune-h200/)."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -195,7 +199,7 @@ class FastForward:
         cfg, ops = self.config, self.ops
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
         rope = (layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping)
-        if step.max_query_len == 1 and self.fused_rope and step.num_parts == 1:
+        if step.max_query_len == 1 and self.fused_rope and step.num_parts <= FUSED_ROPE_MAX_PARTS:
             return ops.decode_attention_rope(qkv, *rope, k_cache, v_cache, step.block_tables, step.seq_lens,
                                              step.num_parts, cfg.num_attention_heads, cfg.rms_norm_eps,
                                              store_only=store_only)

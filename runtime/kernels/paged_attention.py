@@ -147,6 +147,11 @@ BLOCK_N_DECODE = 64
 SPLIT_BELOW = 128  # sequences x KV heads under which keys are split (measured: splitting at 32 x 8 or
 # 64 x 8 programs cost more in partial writes + merge than it gained)
 TARGET_PROGRAMS = 512
+# From SPLIT_BELOW to here keys are split in 2 (the fused RoPE kept, runtime/fast_forward.py): 16 sequences x
+# 512 keys 16.0 against 21.2 us, 24 x 512 22.0 against 25.8 us; at 32 a tie, at 48 slower (2 or 4 partitions;
+# bench/results/decode-attention-tune-h200/tune-split-h200.json).
+SPLIT_TWO_BELOW = 256
+OPTIONS = {"split_two": True}  # measured choices a benchmark can switch off while it captures (bench/decode_ab.py)
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
 # 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
@@ -160,12 +165,13 @@ NARROW_LAUNCH = (32, 1, 2)  # key tile, warps, stages
 
 
 def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Key partitions per sequence (a power of 2): 1 once batch x KV heads fill the SMs, else enough
-    partitions for ~TARGET_PROGRAMS programs, none shorter than one key tile."""
-    if batch * num_kv_heads >= SPLIT_BELOW:
-        return 1
-    wanted = max(1, math.ceil(TARGET_PROGRAMS / (batch * num_kv_heads)))
+    """Key partitions per sequence (a power of 2): 1 once batch x KV heads fill the SMs, 2 just below that
+    (SPLIT_TWO_BELOW), else enough partitions for ~TARGET_PROGRAMS programs, none shorter than one key tile."""
+    programs = batch * num_kv_heads
     most = max(1, math.ceil(max_context / BLOCK_N_DECODE))
+    if programs >= SPLIT_BELOW:
+        return 2 if OPTIONS["split_two"] and programs < SPLIT_TWO_BELOW and most >= 2 else 1
+    wanted = max(1, math.ceil(TARGET_PROGRAMS / programs))
     return triton.next_power_of_2(min(wanted, most))
 
 

@@ -321,13 +321,14 @@ class _CountingOps(TorchOps):
         return TorchOps.decode_attention(*args)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("fused_rope", "num_parts", "fused"), [(True, 1, True), (True, 4, False), (False, 1, False)])
-def test_decode_steps_fuse_rope_into_attention_only_without_key_partitions(
+@pytest.mark.parametrize(("fused_rope", "num_parts", "fused"),
+                         [(True, 1, True), (True, 2, True), (True, 4, False), (False, 1, False)])
+def test_decode_steps_fuse_rope_into_attention_only_up_to_two_key_partitions(
     model: MossSpeechForCausalLM, fused_rope: bool, num_parts: int, fused: bool,
 ) -> None:
     """A prefill step, then a decode step: the decode step runs one fused op per layer (2 shared layers and
-    2 per tail: 6) when it splits no keys; otherwise, and in the prefill, the rotation and the attention run
-    as two ops. Same logits and cache either way."""
+    2 per tail: 6) when it splits keys in at most 2 partitions; otherwise, and in the prefill, the rotation
+    and the attention run as two ops. Same logits and cache either way."""
     a, b = make_rows(9, 3), make_rows(5, 4)
     results = []
     for ops in (TorchOps(), _CountingOps()):
@@ -368,6 +369,10 @@ def test_decode_attention_launch_shape_by_grid() -> None:
     assert decode_launch(128, 8, 1, narrow=False) == (64, 4, 2)  # off Hopper: not measured there
     assert decode_launch(1, 8, decode_num_parts(1, 8, 512)) == (64, 4, 3)
     assert decode_num_parts(96, 8, 4096) == 1 and decode_num_parts(1, 8, 512) == 8
+    # 128-255 programs: 2 partitions (measured faster at 16 and 24 streams), unless one key tile holds all
+    assert [decode_num_parts(b, 8, 512) for b in (8, 15, 16, 24, 31, 32, 64)] == [8, 8, 2, 2, 2, 1, 1]
+    assert decode_num_parts(16, 8, 64) == 1
+    assert decode_launch(16, 8, decode_num_parts(16, 8, 512)) == (64, 4, 3)
 
 
 def test_triton_ops_fall_back_to_two_ops_for_the_fused_decode_attention() -> None:
@@ -471,7 +476,7 @@ def test_decode_runner_audio_only_steps(model: MossSpeechForCausalLM) -> None:
         assert all(torch.equal(g, w) for g, w in zip(got, results[0], strict=True))
 
 
-@pytest.mark.parametrize(("num_parts", "fused"), [(1, True), (4, False)])
+@pytest.mark.parametrize(("num_parts", "fused"), [(1, True), (2, True), (4, False)])
 def test_audio_only_decode_step_stores_the_last_text_layer_without_attending(
     model: MossSpeechForCausalLM, num_parts: int, fused: bool
 ) -> None:
