@@ -1,6 +1,7 @@
 """Decode-attention launch shapes at every loop-trip edge: runs to completion and agrees (H200).
 
-    python bench/decode_attention_lengths.py --configs "32,1,2;64,4,2" --out bench/results/decode-attention-tune-h200/lengths.json
+    python bench/decode_attention_lengths.py --configs "32,1,2;64,4,2" \
+        --out bench/results/decode-attention-tune-h200/lengths.json
 
 Each (key tile, warps, stages) runs the decode kernel with and without the fused q/k RoPE + K/V store, and
 the store-only mode, at `--batches` sequences (96 and 128) whose contexts are 1, 2, 3, 15-17, 31-34, 63-66,

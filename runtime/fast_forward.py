@@ -99,8 +99,8 @@ class FastForward:
         `fused_rope`: decode steps whose attention splits keys in at most FUSED_ROPE_MAX_PARTS partitions
         (batch x KV heads >= 128, i.e. 16+ streams here) run the q/k norm, RoPE and K/V store inside the
         attention kernel (`decode_attention_rope`, one launch per layer fewer); off, or with more partitions:
-        the two ops one after the other. Same math and roundings; only the float32 sum in each head's norm may run in
-        another order, so a last bit of q or k can differ (bench/fast_checks.py). Measured on the H200
+        the two ops one after the other. Same math and roundings; only the float32 sum in each head's norm
+        may run in another order, so a last bit of q or k can differ (bench/fast_checks.py). Measured on the H200
         (bench/results/decode-rope-h200/, two runs): 128 streams 8.98 -> 8.89 and 8.98 -> 8.73 ms, 64 streams
         6.70 -> 6.68 and 6.71 -> 6.65; at one stream, where each of 16 key partitions repeats the query's
         rotation and the one holding the new key waits for its store, 4.51 -> 4.62 / 4.69 ms (bf16) and

@@ -208,8 +208,9 @@ def paged_decode_attention(
     The keys a block table can address are split into `num_parts` equal partitions (see
     `decode_num_parts`); with more than one, a second kernel merges the partial softmaxes.
     Launch options (measured by bench/decode_attention_tune.py): key tile `block_n`, `num_warps`,
-    `num_stages` (None: `decode_launch`'s choice); `kv_first` launches a sequence's KV-head programs side by side; `head_major`: the caches
-    are [num_blocks, KV, block_size, D] instead of [num_blocks, block_size, KV, D].
+    `num_stages` (None: `decode_launch`'s choice); `kv_first` launches a sequence's KV-head programs side by
+    side; `head_major`: the caches are [num_blocks, KV, block_size, D] instead of [num_blocks, block_size,
+    KV, D].
     """
     return _decode(q, None, q.shape[1], k_cache, v_cache, block_tables, seq_lens, num_parts, block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, kv_first=kv_first, head_major=head_major)

@@ -350,8 +350,9 @@ def test_decode_steps_fuse_rope_into_attention_only_up_to_two_key_partitions(
 
 def test_decode_attention_launch_shape_by_grid() -> None:
     """The decode kernel's launch shape: one-warp, 32-key, 2-stage programs for 96-128 and 256 sequences x
-    8 KV heads (the grids where it was measured faster) with unsplit keys on Hopper (3 stages hang the GPU with the fused RoPE at one loop trip: bench/results/
-    decode-attention-tune-h200/), the wide shape below that, whenever keys are split, and elsewhere."""
+    8 KV heads (the grids where it was measured faster) with unsplit keys on Hopper (3 stages hang the GPU
+    with the fused RoPE at one loop trip: bench/results/decode-attention-tune-h200/); the wide shape below
+    that, whenever keys are split, and elsewhere."""
     pytest.importorskip("triton")
     from runtime.kernels.paged_attention import decode_launch, decode_num_parts
 
