@@ -63,18 +63,26 @@ def run(core: EngineCore, arrivals: dict[int, list[GenerationRequest]]) -> dict[
     return {k: s.rows[s.num_prompt_rows:] for k, s in seqs.items()}
 
 
-def tiny_exact() -> dict:
+def tiny_exact(many: bool = False) -> dict:
+    """Rows of the engine (fast path, graphs) against the reference, tiny float32 model. `many`: 70 requests,
+    up to 64 decoded together: 64 x 2 KV heads = 128 programs, so decode steps split keys in 2 partitions."""
     config = dataclasses.replace(ModelConfig.preset("tiny"), num_shared_layers=2, num_modality_layers=1)
     plain = build_model(config, seed=0, device="cuda")
     fused = build_model(config, seed=0, device="cuda")
     rng = random.Random(13)
-    requests = [GenerationRequest(f"f{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY,
-                                  max_new_tokens=6) for i in range(3)]
-    engine_config = EngineConfig(device="cuda", dtype="float32", block_size=4, fast_path=True, max_num_running=2,
-                                 max_num_batched_tokens=8,
-                                 kv_cache_bytes=256 * kv_bytes_per_block(config, 4, torch.float32))
+    if many:
+        requests = [GenerationRequest(f"m{i}", prompt(rng, 4 + 3 * (i % 5), audio_out=i % 7 != 1), GREEDY, GREEDY,
+                                      max_new_tokens=6) for i in range(70)]
+        arrivals, running, batched, blocks = {0: requests[:64], 3: requests[64:]}, 64, 512, 1024
+    else:
+        requests = [GenerationRequest(f"f{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY,
+                                      max_new_tokens=6) for i in range(3)]
+        arrivals, running, batched, blocks = {0: requests[:2], 2: requests[2:]}, 2, 8, 256
+    engine_config = EngineConfig(device="cuda", dtype="float32", block_size=4, fast_path=True,
+                                 max_num_running=running, max_num_batched_tokens=batched,
+                                 kv_cache_bytes=blocks * kv_bytes_per_block(config, 4, torch.float32))
     core = EngineCore(fused, Tokenizer.tiny(), engine_config)
-    got = run(core, {0: requests[:2], 2: requests[2:]})
+    got = run(core, arrivals)
     equal = {r.request_id: got[r.request_id] == reference(plain, r) for r in requests}
     return {"rows_equal_reference": equal, "steps_by_path": dict(core.runner.num_steps_by_path)}
 
@@ -122,7 +130,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     result = {"bench": "fast_engine_check", "command": shlex.join(["python", "bench/fast_engine_check.py", *sys.argv[1:]]),
               "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "tiny_float32": tiny_exact()}
+              "tiny_float32": tiny_exact(), "tiny_float32_64_running": tiny_exact(many=True)}
     log(json.dumps(result))
     result["full_bf16"] = full_first_audio()
     log(json.dumps(result))
