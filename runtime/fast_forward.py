@@ -88,8 +88,9 @@ class FastForward:
         `pdl`: how the Triton kernels of steps of at most `pdl_max_rows` rows are launched (one of
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
-        2-3% faster steps of 1-32 rows, even or faster at 64, 1-2% slower at 128 (docs/gpu.md); in three later
-        engine runs (engine-h200*.json of the fourteenth session) 0 to 1.7% slower at 64, within the spread.
+        2-3% faster steps of 1-32 rows, even or faster at 64, 1-2% slower at 128 (docs/gpu.md); in four later
+        engine runs (bench/results/engine-h200.json, -previous, -repeat, -wide-attention) -0.1% to +1.7% at
+        64, within the spread between processes.
         `parallel_tails` (CUDA only; default on there): in decode steps the audio tail and head run on a
         second stream, concurrently with the text tail and head (they share nothing but their input), so the
         two chains of small kernels fill each other's gaps; the step (and a CUDA graph captured from it)
