@@ -24,18 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.decode_attention_tune import BLOCK, DIM, EPS, HEADS, KV, THETA, new_row_slots
 from bench.fast_tools import emit, log
 from runtime.fast_ops import rope_tables
 from runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_rope
 
-HEADS, KV, DIM, BLOCK, WIDTH, EPS = 32, 8, 128, 16, 64, 1e-6
+WIDTH = 64  # blocks per sequence's table
 LENGTHS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 34, 63, 64, 65, 66, 95, 96, 97, 100, 513, 1000, "mixed")
 WIDE = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 128), parts: int = 1) -> dict:
     """Every case for one launch shape -> {"cases": n, "max_abs_vs_wide": x, "all_finite": bool}."""
-    cos, sin = rope_tables(4096, DIM, 1e6, torch.bfloat16, dev)
+    cos, sin = rope_tables(4096, DIM, THETA, torch.bfloat16, dev)
     q_norm = torch.ones(DIM, device=dev, dtype=torch.bfloat16)
     k_cache = torch.randn(max(batches) * WIDTH, BLOCK, KV, DIM, device=dev, dtype=torch.bfloat16)  # no sharing
     v_cache = torch.randn_like(k_cache)
@@ -53,7 +54,7 @@ def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 1
                 if padding:
                     slots = torch.full((batch,), -1, dtype=torch.int64, device=dev)
                 else:
-                    slots = tables.long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
+                    slots = new_row_slots(tables, pos)
                 qkv = torch.randn(batch, (HEADS + 2 * KV) * DIM, device=dev, dtype=torch.bfloat16)
                 args = (qkv, q_norm, q_norm, cos, sin, pos, slots, k_cache, v_cache, tables, lens)
                 got = paged_decode_attention_rope(*args, parts, HEADS, EPS, **cfg)

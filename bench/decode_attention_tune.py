@@ -39,6 +39,11 @@ CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 2, 2), (64, 2, 3), (64, 8, 2
            (16, 1, 3), (16, 1, 4), (16, 2, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)]
 
 
+def new_row_slots(tables: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The cache slot of each sequence's new row at `pos` [B] through its block table [B, W] -> [B] int64."""
+    return tables.long().gather(1, (pos // BLOCK).long()[:, None])[:, 0] * BLOCK + pos % BLOCK
+
+
 def parse_configs(spec: str) -> list[tuple[int, int, int]]:
     """"64,4,2;32,1,3" -> [(64, 4, 2), (32, 1, 3)]: (key tile, warps, stages)."""
     return [tuple(int(v) for v in c.split(",")) for c in spec.split(";") if c]
@@ -98,8 +103,7 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
     # its first variant
     in_order = torch.arange(batch * width, device=dev, dtype=torch.int32).view(batch, width)
     tables_by_name = {"shuffled": tables, "in_order": in_order}
-    slots = {t: (tab.long().gather(1, (pos // BLOCK).long()[:, None])[:, 0] * BLOCK + pos % BLOCK).int()
-             for t, tab in tables_by_name.items()}
+    slots = {t: new_row_slots(tab, pos).int() for t, tab in tables_by_name.items()}
     k0, v0 = caches[False][0]
     want: dict = {}
     base_out: dict = {}

@@ -151,9 +151,7 @@ class DecodeGraphRunner:
         """
         batch = tokens.shape[0]
         bucket = self.bucket_for(batch)
-        width = block_tables.shape[1]
-        if width > self.max_blocks:
-            raise ValueError(f"block table of {width} blocks exceeds max_model_len ({self.max_blocks} blocks)")
+        width = self._check_width(block_tables.shape[1])
         self.tokens[:batch].copy_(tokens)
         self.is_audio[:batch].copy_(is_audio)
         self.positions[:batch].copy_(positions)
@@ -162,6 +160,12 @@ class DecodeGraphRunner:
         self.seq_lens[:batch].copy_(seq_lens)
         self._reset_padding(batch)
         return self._replay(batch, bucket, text)
+
+    def _check_width(self, width: int) -> int:
+        """A step's block-table width, if the static table holds it."""
+        if width > self.max_blocks:
+            raise ValueError(f"block table of {width} blocks exceeds max_model_len ({self.max_blocks} blocks)")
+        return width
 
     def _replay(self, batch: int, bucket: int, text: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Replay (or run eagerly) the bucket's step on the inputs in place -> the first `batch` rows."""
@@ -187,9 +191,7 @@ class DecodeGraphRunner:
         which holds the host until it is done) plus a copy and a fill per static buffer on the GPU."""
         batch = len(seq_lens)
         bucket = self.bucket_for(batch)
-        width = max(len(t) for t in block_tables)
-        if width > self.max_blocks:
-            raise ValueError(f"block table of {width} blocks exceeds max_model_len ({self.max_blocks} blocks)")
+        self._check_width(max(len(t) for t in block_tables))
         if self._staged_pending:
             self._staged.synchronize()  # the previous step's copy has read the mirror (normally long since)
         h = self._host_np

@@ -168,23 +168,20 @@ class ModelRunner:
 
         batch = len(attn.query_lens)
         text = not self.audio_only_steps or inp.needs_text_logits
-        if inp.host_decode:
+        if inp.host_decode or (max(attn.query_lens) == 1 and batch <= self.graphs.max_batch):
             self._took("graph")
             self.num_audio_only_steps += not text
             # Views of the graph's static outputs: `execute` reads them before the next step.
-            return self.graphs.run_host(
-                inp.tokens.numpy(), inp.is_audio.numpy(), inp.positions.numpy(), attn.slot_mapping.numpy(),
-                attn.block_tables, attn.seq_lens, text=text,
-            )
-        if max(attn.query_lens) == 1 and batch <= self.graphs.max_batch:
-            self._took("graph")
-            self.num_audio_only_steps += not text
+            if inp.host_decode:
+                return self.graphs.run_host(
+                    inp.tokens.numpy(), inp.is_audio.numpy(), inp.positions.numpy(), attn.slot_mapping.numpy(),
+                    attn.block_tables, attn.seq_lens, text=text,
+                )
             width = max(len(t) for t in attn.block_tables)
             tables = torch.tensor(
                 [t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32
             )  # [S, W]
             seq_lens = torch.tensor(attn.seq_lens, dtype=torch.int32)  # [S]
-            # Views of the graph's static outputs: `execute` copies what it needs before the next step.
             return self.graphs.run(
                 inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, tables.to(self.device),
                 seq_lens.to(self.device), text=text,
