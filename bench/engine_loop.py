@@ -38,6 +38,8 @@ from runtime.engine import EngineConfig, EngineCore, StepRecord
 from runtime.request import AudioCodes, Finished
 
 PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "record_s")
+# --sampler: runtime.sampling's (TOPK_CHUNK, ORDER_BY_KEY): one topk per row and two sorts, or the defaults
+SAMPLER_VARIANTS = {"before": (0, False), "after": (1024, True)}
 
 
 def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
@@ -68,8 +70,39 @@ def sync_forward(core: EngineCore) -> None:
     core.runner.forward = forward  # type: ignore[method-assign]
 
 
-def run_level(core: EngineCore, make_request: Any, concurrency: int, num_requests: int) -> dict[str, Any]:
-    """Closed loop at `concurrency` until `num_requests` requests finished -> one level's summary."""
+def timeline(prof: Any, num_steps: int, wall_s: float, top: int = 30) -> dict[str, Any]:
+    """What the GPU did during `num_steps` profiled loop steps: the union of its kernel and copy intervals
+    (busy), the rest of the wall time (idle: the GPU waited for the host), and the kernels by name."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, reach = 0.0, float("-inf")
+    for start, end, _ in spans:  # union of intervals, in us
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for start, end, name in spans:
+        by_name[name[:90]].append(end - start)
+    names = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "steps": num_steps, "wall_ms_per_step": wall_s * 1e3 / num_steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / num_steps,
+        "gpu_idle_ms_per_step": wall_s * 1e3 / num_steps - busy / 1e3 / num_steps,
+        "kernels": [{"name": n, "us_per_step": round(sum(d) / num_steps, 1), "calls_per_step": len(d) / num_steps}
+                    for n, d in names[:top]],
+        "host_ops": [{"name": e.key[:90], "self_us_per_step": round(e.self_cpu_time_total / num_steps, 1),
+                      "calls_per_step": e.count / num_steps}
+                     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]],
+    }
+
+
+def run_level(core: EngineCore, make_request: Any, concurrency: int, num_requests: int,
+              profile_steps: int = 0) -> dict[str, Any]:
+    """Closed loop at `concurrency` until `num_requests` requests finished -> one level's summary.
+    `profile_steps` > 0: the GPU timeline of that many consecutive steps at full concurrency
+    (torch.profiler; from the first step after one where every request decoded), under "timeline"."""
     arrivals: dict[str, float] = {}
     code_times: dict[str, list[float]] = defaultdict(list)
     finished: dict[str, Finished] = {}
@@ -86,8 +119,29 @@ def run_level(core: EngineCore, make_request: Any, concurrency: int, num_request
 
     started = time.perf_counter()
     admit()
+    prof, profiled, profile_start, profile_report = None, 0, 0.0, None
     while core.has_work:
+        if (profile_steps and prof is None and profile_report is None and core.step_log
+                and core.step_log[-1].num_decode_seqs == core.step_log[-1].num_seqs == concurrency):
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = core.runner.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
+            profile_start = time.perf_counter()
         events = core.step()
+        if prof is not None:
+            profiled += 1
+            if profiled == profile_steps:
+                if core.runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - profile_start
+                prof.__exit__(None, None, None)
+                profile_report = timeline(prof, profiled, wall)
+                profile_report["paths"] = sorted({r.path for r in list(core.step_log)[-profiled:]})
+                prof = None
         now = time.perf_counter()
         for rid, event in events:
             if isinstance(event, AudioCodes):
@@ -112,6 +166,7 @@ def run_level(core: EngineCore, make_request: Any, concurrency: int, num_request
         "code_interval_s": percentiles(intervals),
         "steps": summarize_steps(steps),
         "decode_batch_sizes": sorted({r.num_seqs for r in steps if r.path == "graph"}),
+        **({"timeline": profile_report} if profile_steps else {}),
     }
 
 
@@ -175,6 +230,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pinned mirror) or tensors (the earlier way: a tensor per input); a comma list runs every "
                         "level once per entry, in that order, in this one process (an A/B without the spread "
                         "between processes)")
+    p.add_argument("--sampler", default="after",
+                   help="the sampler's candidate selection: after (the engine's: two-round top-k, one key sort) or "
+                        "before (one topk per row, two sorts); a comma list runs every level once per entry in "
+                        "this process, with one --decode-inputs")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="per level, profile this many decode steps at full concurrency (CUDA only): GPU busy "
+                        "and idle time per step and the kernels by name, under 'timeline' (the profiler slows "
+                        "the host and those steps count in the level's step times: run without it for those)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -188,21 +251,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     core, engine_kwargs = build_core(args)
     if args.sync:
         sync_forward(core)
-    if args.sampling_copies == "pageable":
-        import runtime.sampling
+    import runtime.sampling
 
+    if args.sampling_copies == "pageable":
         runtime.sampling.to_device = lambda t, device: t.to(device)
     import runtime.model_runner
 
     modes = args.decode_inputs.split(",")
     if any(m not in ("staged", "tensors") for m in modes):
         raise SystemExit(f"--decode-inputs: staged or tensors, got {args.decode_inputs!r}")
+    samplers = args.sampler.split(",")
+    if any(v not in SAMPLER_VARIANTS for v in samplers) or (len(samplers) > 1 and len(modes) > 1):
+        raise SystemExit(f"--sampler: a list of {sorted(SAMPLER_VARIANTS)} (with one --decode-inputs), "
+                         f"got {args.sampler!r}")
+    runs = [(m, samplers[0]) for m in modes] if len(samplers) == 1 else [(modes[0], v) for v in samplers]
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
-        "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs,
+        "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs, "sampler": args.sampler,
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -216,10 +284,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
-    for mode in modes:
+    for mode, sampler in runs:
         runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
+        runtime.sampling.TOPK_CHUNK, runtime.sampling.ORDER_BY_KEY = SAMPLER_VARIANTS[sampler]
         for concurrency, count in zip(levels, counts, strict=True):
-            level = {"decode_inputs": mode, **run_level(core, make_request, concurrency, count)}
+            level = {"decode_inputs": mode, "sampler": sampler,
+                     **run_level(core, make_request, concurrency, count, args.profile_steps)}
             level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
             summary["levels"].append(level)
             if args.out:

@@ -466,3 +466,49 @@ def test_text_logits_may_be_skipped_only_when_no_row_samples_text() -> None:
     with pytest.raises(ValueError, match="1 request\\(s\\) sample in text mode but no text logits"):
         sample_next_rows(None, audio[:, 0], mixed)
     assert [s.num_generated for s in mixed] == before  # nothing appended
+
+
+@pytest.mark.parametrize("vocab, rounds", [(4096, 2), (3000, 2), (3000 + 17, 1), (16512, 2)])
+def test_two_round_top_candidates_equal_one_topk(monkeypatch: pytest.MonkeyPatch, vocab: int, rounds: int) -> None:
+    monkeypatch.setattr(sampling, "TOPK_CHUNK", 256)
+    topk_calls = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, *a, **kw: topk_calls.append(1) or real_topk(self, *a, **kw))
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randn(5, vocab, generator=gen)
+    scores[1, 200:] = -math.inf  # a row whose finite scores are all in the first chunk
+    scores[2, vocab - 1] = 50.0  # the largest score in the last chunk
+    for k in (1, 20, 256):
+        topk_calls.clear()
+        values, ids = sampling.top_candidates(scores, k)
+        assert len(topk_calls) == rounds  # 3000 = 8 chunks of 375; 3017 is prime: one round
+        want_values, want_ids = real_topk(scores, k, dim=-1)
+        assert torch.equal(values.sort(dim=-1).values, want_values.sort(dim=-1).values)
+        assert torch.equal(scores.gather(1, ids), values)  # every id carries its value, and lies in the row
+        assert ids.max().item() < vocab
+        finite = want_values[0] > -math.inf
+        assert set(ids[0, finite].tolist()) == set(want_ids[0, finite].tolist())  # no ties in row 0
+    assert ids[2].tolist().count(vocab - 1) == 1
+
+
+def test_order_candidates_by_key_equals_two_sorts(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(12)
+    values = (torch.randint(-4, 5, (64, 40), generator=gen) * 0.5).float()  # many ties, negative values
+    values[0, :6] = torch.tensor([0.0, -0.0, -math.inf, 0.0, -0.0, -math.inf])
+    values[1, :3] = torch.tensor([3.4028e38, -3.4028e38, 1e-45])  # extremes and a subnormal
+    ids = torch.stack([torch.randperm(20000, generator=gen)[:40] for _ in range(64)])  # distinct per row
+    by_key = sampling.order_candidates(values, ids)
+    monkeypatch.setattr(sampling, "ORDER_BY_KEY", False)
+    by_two_sorts = sampling.order_candidates(values, ids)
+    assert torch.equal(by_key[0], by_two_sorts[0]) and torch.equal(by_key[1], by_two_sorts[1])
+    row = list(zip(by_key[0][0].tolist(), by_key[1][0].tolist(), strict=True))
+    assert row == sorted(row, key=lambda vi: (-vi[0], vi[1]))  # value descending, then id ascending
+
+
+@pytest.mark.parametrize("chunk, by_key", [(256, True), (256, False), (0, True)])
+def test_candidate_options_pick_the_same_ids_as_the_full_sort(
+    monkeypatch: pytest.MonkeyPatch, chunk: int, by_key: bool
+) -> None:
+    monkeypatch.setattr(sampling, "TOPK_CHUNK", chunk)
+    monkeypatch.setattr(sampling, "ORDER_BY_KEY", by_key)
+    test_topk_path_picks_the_same_ids_as_the_full_sort(monkeypatch, ties_past_k=True)
