@@ -38,8 +38,6 @@ from runtime.engine import EngineConfig, EngineCore, StepRecord
 from runtime.request import AudioCodes, Finished
 
 PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "record_s")
-# --sampler: runtime.sampling's (TOPK_CHUNK, ORDER_BY_KEY): one topk per row and two sorts, or the defaults
-SAMPLER_VARIANTS = {"before": (0, False), "after": (1024, True)}
 
 
 def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
@@ -230,10 +228,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pinned mirror) or tensors (the earlier way: a tensor per input); a comma list runs every "
                         "level once per entry, in that order, in this one process (an A/B without the spread "
                         "between processes)")
-    p.add_argument("--sampler", default="after",
-                   help="the sampler's candidate selection: after (the engine's: two-round top-k, one key sort) or "
-                        "before (one topk per row, two sorts); a comma list runs every level once per entry in "
-                        "this process, with one --decode-inputs")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per level, profile this many decode steps at full concurrency (CUDA only): GPU busy "
                         "and idle time per step and the kernels by name, under 'timeline' (the profiler slows "
@@ -251,26 +245,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     core, engine_kwargs = build_core(args)
     if args.sync:
         sync_forward(core)
-    import runtime.sampling
-
     if args.sampling_copies == "pageable":
+        import runtime.sampling
+
         runtime.sampling.to_device = lambda t, device: t.to(device)
     import runtime.model_runner
 
     modes = args.decode_inputs.split(",")
     if any(m not in ("staged", "tensors") for m in modes):
         raise SystemExit(f"--decode-inputs: staged or tensors, got {args.decode_inputs!r}")
-    samplers = args.sampler.split(",")
-    if any(v not in SAMPLER_VARIANTS for v in samplers) or (len(samplers) > 1 and len(modes) > 1):
-        raise SystemExit(f"--sampler: a list of {sorted(SAMPLER_VARIANTS)} (with one --decode-inputs), "
-                         f"got {args.sampler!r}")
-    runs = [(m, samplers[0]) for m in modes] if len(samplers) == 1 else [(modes[0], v) for v in samplers]
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
-        "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs, "sampler": args.sampler,
+        "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs,
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -284,11 +273,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
-    for mode, sampler in runs:
+    for mode in modes:
         runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
-        runtime.sampling.TOPK_CHUNK, runtime.sampling.ORDER_BY_KEY = SAMPLER_VARIANTS[sampler]
         for concurrency, count in zip(levels, counts, strict=True):
-            level = {"decode_inputs": mode, "sampler": sampler,
+            level = {"decode_inputs": mode,
                      **run_level(core, make_request, concurrency, count, args.profile_steps)}
             level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
             summary["levels"].append(level)

@@ -45,8 +45,6 @@ _MAX_SEED = 2**64
 _MASK64 = 2**64 - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 TOPK_FAST_MAX = 1024  # largest top_k sampled from `torch.topk` instead of a full sort
-TOPK_CHUNK = 1024  # `top_candidates` takes the top-k per chunk of at least this many ids first (0: one topk)
-ORDER_BY_KEY = True  # `order_candidates` sorts one 64-bit key per candidate (False: two sorts, as before)
 
 
 def splitmix64(x: int) -> int:
@@ -377,12 +375,14 @@ def _sample_tokens(
     ties_past_k = None
     k_max = max(ks)
     if k_max <= TOPK_FAST_MAX and not full_sort:
-        values, ids = top_candidates(scaled, k_max)  # [S, kmax]
+        values, ids = scaled.topk(k_max, dim=-1)  # [S, kmax], descending
         kth = values.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
         # HF keeps every id tied with the k-th value: rows where such ties reach past the candidates need
         # the full sort (see the docstring; checked by the caller, with no wait here)
         ties_past_k = ((scaled >= kth).sum(dim=-1) > top_ks) & ~is_greedy  # [S]
-        sorted_logits, sorted_ids = order_candidates(values, ids)  # [S, kmax] each
+        by_id, order = ids.sort(dim=-1)  # equal values in id order, as the full stable sort has them
+        sorted_logits, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+        sorted_ids = by_id.gather(1, order)  # [S, kmax]
     else:
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # [S, V] each
     kth = sorted_logits.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
@@ -401,49 +401,6 @@ def _sample_tokens(
     picked = torch.minimum(picked, num_positive - 1)  # guard against float rounding at the top
     sampled = sorted_ids.gather(1, picked.unsqueeze(1)).squeeze(1)  # [S]
     return torch.where(is_greedy, greedy, sampled), ties_past_k
-
-
-def top_candidates(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest scores of each row of ``scores`` [S, V] and their ids -> (values, ids), each [S, k], in
-    no particular order among equal values (callers order them with `order_candidates`).
-
-    With ``TOPK_CHUNK`` set, a row that splits into at least 4 equal chunks of at least TOPK_CHUNK ids (a
-    power of two of them) goes in two rounds: the k largest of every chunk (a [S * chunks, chunk] topk: one
-    thread block per chunk on CUDA, where a single long row runs in one block), then the k largest of those.
-    The k largest of a row are among its chunks' k largest, so both ways give the same values; ids may differ
-    only among values tied with the k-th, which callers treat as ambiguous anyway (`_sample_tokens` flags
-    them)."""
-    num_rows, vocab = scores.shape
-    num_chunks = 1
-    while TOPK_CHUNK and vocab % (2 * num_chunks) == 0 and vocab // (2 * num_chunks) >= max(TOPK_CHUNK, k):
-        num_chunks *= 2
-    if num_chunks < 4:
-        return scores.topk(k, dim=-1)
-    chunk = vocab // num_chunks
-    values, ids = scores.reshape(num_rows * num_chunks, chunk).topk(k, dim=-1)  # [S * C, k]
-    offsets = torch.arange(0, vocab, chunk, device=scores.device).repeat(num_rows)  # [S * C]
-    ids = (ids + offsets.unsqueeze(1)).view(num_rows, num_chunks * k)  # [S, C * k] ids within the row
-    values, picked = values.view(num_rows, num_chunks * k).topk(k, dim=-1)  # [S, k]
-    return values, ids.gather(1, picked)
-
-
-def order_candidates(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort each row of candidates [S, k] by value, largest first, equal values by id, smallest first (the
-    order of a stable descending sort of the whole row) -> (values, ids).
-
-    One sort of 64-bit keys: the value's float32 bits made order-preserving as an int32 (negative floats
-    have their magnitude bits flipped; -0.0 is made +0.0 first, as the float comparison has them equal),
-    inverted for descending order, in the high half, the id in the low half. With ``ORDER_BY_KEY`` off:
-    a sort by id, then a stable sort by value (the earlier way, for A/Bs)."""
-    if not ORDER_BY_KEY:
-        by_id, order = ids.sort(dim=-1)
-        sorted_values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
-        return sorted_values, by_id.gather(1, order)
-    bits = (values.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 -> +0.0
-    ascending = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order = float order
-    keys = ((~ascending).to(torch.int64) << 32) | ids  # ids are in [0, 2**31)
-    keys, order = keys.sort(dim=-1)
-    return values.gather(1, order), keys & 0xFFFFFFFF
 
 
 def _check_row(row: Row) -> Row:
