@@ -93,7 +93,32 @@ def timeline(prof: Any, num_steps: int, wall_s: float, top: int = 30) -> dict[st
         "host_ops": [{"name": e.key[:90], "self_us_per_step": round(e.self_cpu_time_total / num_steps, 1),
                       "calls_per_step": e.count / num_steps}
                      for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]],
+        "host_waits": host_waits(prof, num_steps),
     }
+
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "cudaHostAlloc", "cudaMalloc", "cudaFreeHost", "cudaFree")
+
+
+def host_waits(prof: Any, num_steps: int) -> list[dict[str, Any]]:
+    """Host calls that can wait for the GPU, grouped by the project's innermost frames that made them
+    (the profile needs `with_stack`): calls and microseconds per step."""
+    groups: dict[tuple[str, ...], list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.name not in WAITS:
+            continue
+        op, names = e, []  # runtime calls carry no Python stack: take the nearest enclosing op's
+        while op is not None and not op.stack:
+            op = op.cpu_parent
+            if op is not None:
+                names.append(op.name)
+        stack = op.stack if op is not None else []
+        ours = [f for f in stack if ("runtime/" in f or "bench/" in f or "deployments/" in f)]
+        groups[(e.name, " < ".join(names[:3]), *ours[:3])].append(e.cpu_time_total)
+    return [{"call": k[0], "ops": k[1], "from": list(k[2:]), "calls_per_step": len(v) / num_steps,
+             "us_per_step": round(sum(v) / num_steps, 1)}
+            for k, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))]
 
 
 def run_level(core: EngineCore, make_request: Any, concurrency: int, num_requests: int,
@@ -126,7 +151,8 @@ def run_level(core: EngineCore, make_request: Any, concurrency: int, num_request
             cuda = core.runner.device.type == "cuda"
             if cuda:
                 torch.cuda.synchronize()
-            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                           with_stack=True)
             prof.__enter__()
             profile_start = time.perf_counter()
         events = core.step()
@@ -228,6 +254,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pinned mirror) or tensors (the earlier way: a tensor per input); a comma list runs every "
                         "level once per entry, in that order, in this one process (an A/B without the spread "
                         "between processes)")
+    p.add_argument("--tie-margins", default=None,
+                   help="runtime.sampling.TOPK_TIE_MARGIN (top-k candidates beyond the largest top_k): a comma list "
+                        "runs every level once per entry in this process, with one --decode-inputs (an A/B; "
+                        "default: the engine's); each level reports its full-sort redraws")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per level, profile this many decode steps at full concurrency (CUDA only): GPU busy "
                         "and idle time per step and the kernels by name, under 'timeline' (the profiler slows "
@@ -245,21 +275,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     core, engine_kwargs = build_core(args)
     if args.sync:
         sync_forward(core)
-    if args.sampling_copies == "pageable":
-        import runtime.sampling
+    import runtime.sampling
 
+    if args.sampling_copies == "pageable":
         runtime.sampling.to_device = lambda t, device: t.to(device)
     import runtime.model_runner
 
     modes = args.decode_inputs.split(",")
     if any(m not in ("staged", "tensors") for m in modes):
         raise SystemExit(f"--decode-inputs: staged or tensors, got {args.decode_inputs!r}")
+    margins = [int(m) for m in args.tie_margins.split(",")] if args.tie_margins else [runtime.sampling.TOPK_TIE_MARGIN]
+    if len(margins) > 1 and len(modes) > 1:
+        raise SystemExit("--tie-margins with more than one entry needs a single --decode-inputs")
+    runs = [(m, margins[0]) for m in modes] if len(margins) == 1 else [(modes[0], m) for m in margins]
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
         "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs,
+        "tie_margins": args.tie_margins,
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -273,11 +308,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
-    for mode in modes:
+    for mode, margin in runs:
         runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
+        runtime.sampling.TOPK_TIE_MARGIN = margin
         for concurrency, count in zip(levels, counts, strict=True):
-            level = {"decode_inputs": mode,
+            redraws = runtime.sampling.num_full_sort_redraws
+            level = {"decode_inputs": mode, "tie_margin": margin,
                      **run_level(core, make_request, concurrency, count, args.profile_steps)}
+            level["full_sort_redraws"] = runtime.sampling.num_full_sort_redraws - redraws
             level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
             summary["levels"].append(level)
             if args.out:

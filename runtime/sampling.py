@@ -45,6 +45,11 @@ _MAX_SEED = 2**64
 _MASK64 = 2**64 - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 TOPK_FAST_MAX = 1024  # largest top_k sampled from `torch.topk` instead of a full sort
+# `torch.topk` takes this many candidates beyond the largest top_k, so that ids tied with a row's k-th value
+# (HF keeps them all) are nearly always among them: bf16 logits tie often, and a tie reaching past the
+# candidates costs a wait for the GPU and a full sort (see `_sample_tokens`). 0: exactly the largest top_k.
+TOPK_TIE_MARGIN = 64
+num_full_sort_redraws = 0  # channels redrawn over the full sort since import (see `sample_next_rows`)
 
 
 def splitmix64(x: int) -> int:
@@ -286,11 +291,13 @@ def sample_next_rows(
     # the step's one wait for the GPU: the ids and each channel's ties_past_k flags in one read
     read = torch.cat([ids for ids, _ in results] + flags).tolist()
     picked, ties_read = read[: len(read) // 2], read[len(read) // 2 :]
+    global num_full_sort_redraws
     start = 0
     for (ids, _), draw in zip(results, draws, strict=True):
         end = start + ids.shape[0]
-        if any(ties_read[start:end]):  # rare (equal logits): redraw the channel over its full sort
+        if any(ties_read[start:end]):  # rare (many equal logits): redraw the channel over its full sort
             picked[start:end] = _sample_tokens(*draw, full_sort=True)[0].tolist()
+            num_full_sort_redraws += 1
         start = end
     text_tokens = [MODALITY_PAD_ID] * num_seqs
     for i, token in zip(text_rows, picked[num_seqs:], strict=True):
@@ -348,10 +355,11 @@ def _sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sample_tokens` without waiting for the GPU -> (ids [S], ties_past_k [S] bool or None).
 
-    For top-k up to TOPK_FAST_MAX the draw runs over `torch.topk`'s k_max candidates instead of a sort of the
-    whole vocabulary. That is exact unless some row has ids tied with its k-th value beyond the candidates
-    (HF keeps them all): `ties_past_k` flags such rows, and the caller, once it reads the ids anyway, redraws
-    the whole batch with `full_sort=True` (the result the full sort gives; rare: it needs equal logits).
+    For top-k up to TOPK_FAST_MAX the draw runs over `torch.topk`'s k_max + TOPK_TIE_MARGIN candidates instead
+    of a sort of the whole vocabulary. That is exact unless some row has more ids at or above its k-th value
+    than there are candidates (HF keeps every id tied with the k-th): `ties_past_k` flags such rows, and the
+    caller, once it reads the ids anyway, redraws the whole batch with `full_sort=True` (the result the full
+    sort gives; rare: it needs more than TOPK_TIE_MARGIN ids tied with a k-th value).
     None: the full sort ran (or every row is greedy), nothing to check."""
     if logits.dim() != 2 or len(params) != logits.shape[0] or tuple(uniforms.shape) != (logits.shape[0],):
         raise ValueError(
@@ -375,14 +383,16 @@ def _sample_tokens(
     ties_past_k = None
     k_max = max(ks)
     if k_max <= TOPK_FAST_MAX and not full_sort:
-        values, ids = scaled.topk(k_max, dim=-1)  # [S, kmax], descending
+        num_candidates = min(vocab_size, k_max + TOPK_TIE_MARGIN)
+        values, ids = scaled.topk(num_candidates, dim=-1)  # [S, C], descending
         kth = values.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]
-        # HF keeps every id tied with the k-th value: rows where such ties reach past the candidates need
-        # the full sort (see the docstring; checked by the caller, with no wait here)
-        ties_past_k = ((scaled >= kth).sum(dim=-1) > top_ks) & ~is_greedy  # [S]
+        # HF keeps every id tied with the k-th value: the candidates hold them all unless more ids than
+        # candidates reach the k-th value; such rows need the full sort (see the docstring; checked by the
+        # caller, with no wait here)
+        ties_past_k = ((scaled >= kth).sum(dim=-1) > num_candidates) & ~is_greedy  # [S]
         by_id, order = ids.sort(dim=-1)  # equal values in id order, as the full stable sort has them
         sorted_logits, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
-        sorted_ids = by_id.gather(1, order)  # [S, kmax]
+        sorted_ids = by_id.gather(1, order)  # [S, C]
     else:
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # [S, V] each
     kth = sorted_logits.gather(1, (top_ks - 1).unsqueeze(1))  # [S, 1]

@@ -382,8 +382,12 @@ def test_splitmix64_reference_values() -> None:
     assert splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
 
 
+@pytest.mark.parametrize("margin", [0, sampling.TOPK_TIE_MARGIN])
 @pytest.mark.parametrize("ties_past_k", [False, True])
-def test_topk_path_picks_the_same_ids_as_the_full_sort(monkeypatch: pytest.MonkeyPatch, ties_past_k: bool) -> None:
+def test_topk_path_picks_the_same_ids_as_the_full_sort(
+    monkeypatch: pytest.MonkeyPatch, ties_past_k: bool, margin: int
+) -> None:
+    monkeypatch.setattr(sampling, "TOPK_TIE_MARGIN", margin)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(48, 3000, generator=gen) * 3  # [S, V]
     logits[:, 7:10] = logits.max(dim=1, keepdim=True).values + 1  # a three-way tie at the top of every row
@@ -402,20 +406,28 @@ def test_topk_path_picks_the_same_ids_as_the_full_sort(monkeypatch: pytest.Monke
     assert (100 in top3[:6]) is ties_past_k  # rows 2..22 (every 4th) have the fourth tied id
 
 
-def test_ties_past_k_are_flagged_not_waited_for() -> None:
+def test_ties_past_k_are_flagged_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     # `_sample_tokens` never reads the GPU: it returns the rows whose ties with the k-th value reach past the
     # topk candidates, for the caller to check with the ids it reads anyway.
     logits = torch.tensor([[5.0, 4.0, 3.0, 3.0, 1.0], [5.0, 4.0, 3.0, 2.0, 1.0], [5.0, 4.0, 3.0, 3.0, 3.0]])
     params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=3)] * 2 + [greedy_with_penalty(1.0)]
+    _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.5, 0.5, 0.5]))
+    assert ties is not None and ties.tolist() == [False, False, False]  # the margin's candidates hold the tie
+    monkeypatch.setattr(sampling, "TOPK_TIE_MARGIN", 0)  # exactly top_k candidates: the tie reaches past them
     _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.5, 0.5, 0.5]))
     assert ties is not None and ties.tolist() == [True, False, False]  # greedy rows never need the sort
     _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.5, 0.5, 0.5]), full_sort=True)
     assert ties is None
 
 
-def test_sample_next_rows_redraws_a_channel_with_ties_past_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Audio logits with four ids tied at the top and top_k=3: HF keeps all four, which only the full sort
-    # sees; the step's rows must equal those of a sampler that always sorts fully.
+@pytest.mark.parametrize("margin, redraws", [(0, 6), (sampling.TOPK_TIE_MARGIN, 0)])
+def test_sample_next_rows_redraws_a_channel_with_ties_past_k(
+    monkeypatch: pytest.MonkeyPatch, margin: int, redraws: int
+) -> None:
+    # Audio logits with four ids tied at the top and top_k=3: HF keeps all four. Without a margin only the full
+    # sort sees the fourth (one redraw per step); with the default margin the candidates hold it (no redraw).
+    # Either way the step's rows must equal those of a sampler that always sorts fully.
+    monkeypatch.setattr(sampling, "TOPK_TIE_MARGIN", margin)
     audio = torch.full((3, AUDIO_VOCAB), -5.0)
     audio[:, [11, 12, 13, 14]] = 4.0
     audio[1, 14] = 3.0  # row 1: no tie past k
@@ -425,7 +437,9 @@ def test_sample_next_rows_redraws_a_channel_with_ties_past_k(monkeypatch: pytest
         return [RequestSampler(AUDIO_PROMPT, SamplingParams(), params, min_new_tokens=0, seed=seed)
                 for seed in (3, 4, 5)]
 
+    before = sampling.num_full_sort_redraws
     fast = [sample_next_rows(None, audio, batch) for batch in [samplers()] for _ in range(6)]
+    assert sampling.num_full_sort_redraws - before == redraws
     monkeypatch.setattr(sampling, "TOPK_FAST_MAX", 0)
     full = [sample_next_rows(None, audio, batch) for batch in [samplers()] for _ in range(6)]
     assert fast == full
@@ -466,3 +480,15 @@ def test_text_logits_may_be_skipped_only_when_no_row_samples_text() -> None:
     with pytest.raises(ValueError, match="1 request\\(s\\) sample in text mode but no text logits"):
         sample_next_rows(None, audio[:, 0], mixed)
     assert [s.num_generated for s in mixed] == before  # nothing appended
+
+
+def test_ties_beyond_the_margin_still_take_the_full_sort() -> None:
+    # 200 ids tied at the top with top_k=20: more ties than the 20 + margin candidates, so the row is flagged
+    # and `sample_tokens` redraws it over the full sort, which may pick any of the 200.
+    logits = torch.zeros(1, AUDIO_VOCAB)
+    logits[0, 1000:1200] = 7.0
+    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=20)]
+    assert 200 > 20 + sampling.TOPK_TIE_MARGIN
+    _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.99]))
+    assert ties is not None and ties.tolist() == [True]
+    assert sample_tokens(logits, params, torch.tensor([0.99])).item() == 1000 + int(0.99 * 200)
