@@ -24,9 +24,10 @@ launches and host-to-device copies per step whatever the batch size:
   sampling it could not change the row), which saves the top-k over the ~152k text ids for speech output;
 - the repetition penalty builds each step's ``[S, V]`` presence mask from every request's distinct history
   ids (kept on the host) with one copy and one scatter; this gives the same values as HF's gather/scatter;
-- top-k runs on ``torch.topk`` of the largest k in the batch (re-ordered stably, lowest id first among equal
-  values, as the full sort orders them); a batch with top-k disabled or above 1024, or with ties at the k-th
-  value reaching past the k kept ids, takes the full sort instead, so both give the same ids.
+- top-k runs on ``torch.topk`` of the largest k in the batch plus TOPK_TIE_MARGIN candidates (re-ordered
+  stably, lowest id first among equal values, as the full sort orders them); a batch with top-k disabled or
+  above 1024, or with ties at the k-th value reaching past the candidates, takes the full sort instead, so
+  both give the same ids.
 """
 from __future__ import annotations
 
