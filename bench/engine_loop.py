@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "runs every level once per entry in this process, with one --decode-inputs (an A/B; "
                         "default: the engine's); each level reports its full-sort redraws")
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="per level, profile this many decode steps at full concurrency (CUDA only): GPU busy "
+                   help="per level, profile this many decode steps at full concurrency (GPU figures on CUDA): GPU busy "
                         "and idle time per step and the kernels by name, under 'timeline' (the profiler slows "
                         "the host and those steps count in the level's step times: run without it for those)")
     p.add_argument("--out", default=None)
