@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+import runtime.model_runner
+import runtime.sampling
 from bench.engine import time_fn
 from bench.measure import percentiles, requests_per_level, speech_prompt_text
 from bench.pipeline import settings_from_config, speech_request
@@ -275,11 +277,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     core, engine_kwargs = build_core(args)
     if args.sync:
         sync_forward(core)
-    import runtime.sampling
-
     if args.sampling_copies == "pageable":
         runtime.sampling.to_device = lambda t, device: t.to(device)
-    import runtime.model_runner
 
     modes = args.decode_inputs.split(",")
     if any(m not in ("staged", "tensors") for m in modes):

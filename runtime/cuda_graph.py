@@ -21,6 +21,8 @@ from runtime.fast_forward import FastForward, StepInputs, max_blocks_for
 from runtime.kv_cache import KVCache
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# What a bucket's rows past the step's batch hold: slot -1 (no K/V stored), a context of 1, zeros elsewhere.
+PADDING = {"tokens": 0, "is_audio": False, "positions": 0, "slot_mapping": -1, "seq_lens": 1, "block_tables": 0}
 
 
 def capture_step(
@@ -84,9 +86,9 @@ class DecodeGraphRunner:
         # marks the last host-to-device copy of `run_host` (the mirror is not rewritten before it has run)
         self._staged = torch.cuda.Event() if pinned else None
         self._staged_pending = False
-        self._reset_padding(0)  # slot -1, context 1 (here and in the host mirror)
-        self._host_np["slot_mapping"][:] = -1
-        self._host_np["seq_lens"][:] = 1
+        self._reset_padding(0)
+        for name, pad in PADDING.items():  # the host mirror starts as padding too
+            self._host_np[name][:] = pad
         self.query_start = torch.arange(largest + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(largest, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -131,12 +133,9 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
 
     def _reset_padding(self, start: int) -> None:
-        self.tokens[start:].zero_()
-        self.is_audio[start:].zero_()
-        self.positions[start:].zero_()
-        self.slot_mapping[start:].fill_(-1)
-        self.block_tables[start:].zero_()
-        self.seq_lens[start:].fill_(1)
+        """The static inputs' rows from `start` on hold PADDING."""
+        for name, pad in PADDING.items():
+            getattr(self, name)[start:].fill_(pad)
 
     @torch.inference_mode()
     def run(
@@ -195,13 +194,12 @@ class DecodeGraphRunner:
         if self._staged_pending:
             self._staged.synchronize()  # the previous step's copy has read the mirror (normally long since)
         h = self._host_np
-        for name, values, pad in (("tokens", tokens, 0), ("is_audio", is_audio, False),
-                                  ("positions", positions, 0), ("slot_mapping", slot_mapping, -1),
-                                  ("seq_lens", seq_lens, 1)):
+        for name, values in (("tokens", tokens), ("is_audio", is_audio), ("positions", positions),
+                             ("slot_mapping", slot_mapping), ("seq_lens", seq_lens)):
             h[name][:batch] = values
-            h[name][batch:] = pad
+            h[name][batch:] = PADDING[name]
         tables = h["block_tables"]
-        tables[:bucket] = 0
+        tables[:bucket] = PADDING["block_tables"]
         for i, table in enumerate(block_tables):
             tables[i, :len(table)] = table
         if self._host is not self._inputs:

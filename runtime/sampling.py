@@ -245,6 +245,7 @@ def sample_next_rows(
     that skipped the text head): audio-mode rows never read them. The inputs are not modified. Each request's
     result depends only on its own logits, state and seed, never on the rest of the batch.
     """
+    global num_full_sort_redraws
     num_seqs = len(samplers)
     text_rows = [i for i, s in enumerate(samplers) if s.mode == TEXT_MODE]
     if text_logits is None and text_rows:
@@ -292,7 +293,6 @@ def sample_next_rows(
     # the step's one wait for the GPU: the ids and each channel's ties_past_k flags in one read
     read = torch.cat([ids for ids, _ in results] + flags).tolist()
     picked, ties_read = read[: len(read) // 2], read[len(read) // 2 :]
-    global num_full_sort_redraws
     start = 0
     for (ids, _), draw in zip(results, draws, strict=True):
         end = start + ids.shape[0]
