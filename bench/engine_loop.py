@@ -61,8 +61,8 @@ def sync_forward(core: EngineCore) -> None:
     launch = core.runner.forward
     device = core.runner.device
 
-    def forward(inp: Any) -> Any:
-        logits = launch(inp)
+    def forward(inp: Any, feed: Any = None) -> Any:
+        logits = launch(inp, feed)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return logits
@@ -260,6 +260,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="runtime.sampling.TOPK_TIE_MARGIN (top-k candidates beyond the largest top_k): a comma list "
                         "runs every level once per entry in this process, with one --decode-inputs (an A/B; "
                         "default: the engine's); each level reports its full-sort redraws")
+    p.add_argument("--async-steps", default=None,
+                   help="EngineCore.async_scheduling: on (launch step n+1 before reading step n's ids) or off; a comma "
+                        "list runs every level once per entry in this process (an A/B; default: the engine's, on for "
+                        "CUDA); one option of --decode-inputs, --tie-margins, --async-steps may list several")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per level, profile this many decode steps at full concurrency (GPU figures on CUDA): GPU busy "
                         "and idle time per step and the kernels by name, under 'timeline' (the profiler slows "
@@ -284,16 +288,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if any(m not in ("staged", "tensors") for m in modes):
         raise SystemExit(f"--decode-inputs: staged or tensors, got {args.decode_inputs!r}")
     margins = [int(m) for m in args.tie_margins.split(",")] if args.tie_margins else [runtime.sampling.TOPK_TIE_MARGIN]
-    if len(margins) > 1 and len(modes) > 1:
-        raise SystemExit("--tie-margins with more than one entry needs a single --decode-inputs")
-    runs = [(m, margins[0]) for m in modes] if len(margins) == 1 else [(modes[0], m) for m in margins]
+    steps = (["on" if core.async_scheduling else "off"] if args.async_steps is None
+             else args.async_steps.split(","))
+    if any(a not in ("on", "off") for a in steps):
+        raise SystemExit(f"--async-steps: on or off, got {args.async_steps!r}")
+    if sum(len(v) > 1 for v in (modes, margins, steps)) > 1:
+        raise SystemExit("only one of --decode-inputs, --tie-margins, --async-steps may list several entries")
+    runs = [(m, t, a) for m in modes for t in margins for a in steps]
     device = core.runner.device
     summary: dict[str, Any] = {
         "benchmark": "engine_loop",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
         "engine": engine_kwargs, "build_s": time.perf_counter() - built, "sync": args.sync,
         "sampling_copies": args.sampling_copies, "decode_inputs": args.decode_inputs,
-        "tie_margins": args.tie_margins,
+        "tie_margins": args.tie_margins, "async_steps": args.async_steps,
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -307,14 +315,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
-    for mode, margin in runs:
+    for mode, margin, async_steps in runs:
         runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
         runtime.sampling.TOPK_TIE_MARGIN = margin
+        core.async_scheduling = async_steps == "on"  # (between levels nothing is in flight)
         for concurrency, count in zip(levels, counts, strict=True):
-            redraws = runtime.sampling.num_full_sort_redraws
-            level = {"decode_inputs": mode, "tie_margin": margin,
+            redraws, reruns = runtime.sampling.num_full_sort_redraws, core.num_step_reruns
+            level = {"decode_inputs": mode, "tie_margin": margin, "async_steps": async_steps,
                      **run_level(core, make_request, concurrency, count, args.profile_steps)}
             level["full_sort_redraws"] = runtime.sampling.num_full_sort_redraws - redraws
+            level["step_reruns"] = core.num_step_reruns - reruns
             level["bare_decode_ms"] = time_bare_decode(core, level["decode_batch_sizes"], args.bare_reps)
             summary["levels"].append(level)
             if args.out:

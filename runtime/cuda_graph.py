@@ -13,12 +13,16 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from runtime.fast_forward import FastForward, StepInputs, max_blocks_for
 from runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from runtime.model_runner import RowFeed
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 # What a bucket's rows past the step's batch hold: slot -1 (no K/V stored), a context of 1, zeros elsewhere.
@@ -183,11 +187,13 @@ class DecodeGraphRunner:
         self, tokens: Sequence[int] | np.ndarray, is_audio: Sequence[bool] | np.ndarray,
         positions: Sequence[int] | np.ndarray, slot_mapping: Sequence[int] | np.ndarray,
         block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, text: bool = True,
+        feed: RowFeed | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`run` from host data (what the model runner has; block tables may differ in length): the step's
         inputs and the bucket's padding rows are written into a pinned host mirror of the input buffer and
         reach the GPU in one non-blocking copy, instead of a copy per tensor from pageable memory (each of
-        which holds the host until it is done) plus a copy and a fill per static buffer on the GPU."""
+        which holds the host until it is done) plus a copy and a fill per static buffer on the GPU.
+        `feed` then overwrites the rows whose inputs are on the device (`model_runner.RowFeed`)."""
         batch = len(seq_lens)
         bucket = self.bucket_for(batch)
         self._check_width(max(len(t) for t in block_tables))
@@ -207,6 +213,8 @@ class DecodeGraphRunner:
             self._inputs[:end].copy_(self._host[:end], non_blocking=True)
             self._staged.record()
             self._staged_pending = True
+        if feed is not None:
+            feed.apply(self.tokens, self.is_audio)
         return self._replay(batch, bucket, text)
 
 

@@ -23,12 +23,12 @@ from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
 from runtime.errors import EngineError, InvalidRequestError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
-from runtime.model import MossSpeechForCausalLM, build_model
-from runtime.model_runner import ModelInput, ModelRunner
+from runtime.model import MossSpeechForCausalLM, build_model, split_rows
+from runtime.model_runner import ModelInput, ModelRunner, RowFeed
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, validate_request
-from runtime.sampling import RequestSampler
+from runtime.sampling import LaunchedRows, RequestSampler, to_device
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from runtime.sequence import IncrementalDetokenizer, Sequence
+from runtime.sequence import PENDING_ROW, IncrementalDetokenizer, Sequence
 from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class EngineConfig:
     fp8_scope: str | None = None  # fast path only: FP8 weights for "shared" | "layers" | "all" (docs/gpu.md)
     # fast path only: decode steps with no row in text mode skip the text head (ModelRunner, docs/gpu.md)
     audio_only_steps: bool = True
+    # Asynchronous steps: launch step n+1 (its new rows' inputs fed on the device from step n's sampler)
+    # before reading step n's ids, so the host's work overlaps the GPU's; None: on CUDA only. docs/engine.md.
+    async_scheduling: bool | None = None
     # Real-time pacing: seconds of audio a stream may run ahead of real time (None: as fast as possible).
     # See SchedulerConfig.pacing_lead_codes and docs/engine.md.
     pacing_lead_s: float | None = None
@@ -141,6 +144,28 @@ class StepRecord:
 STEP_LOG_LEN = 4096  # steps kept in `EngineCore.step_log`
 
 
+@dataclass
+class _Launched:
+    """An asynchronous step whose forward is launched (`EngineCore.launch_step`)."""
+
+    out: SchedulerOutput
+    inp: ModelInput
+    logits: tuple[torch.Tensor | None, torch.Tensor] | None  # set by `EngineCore.launch`
+    feed: RowFeed | None
+    timing: list[float]  # schedule_s, prepare_s, forward_s so far
+    started: float  # perf_counter at its scheduling
+
+
+@dataclass
+class _InFlight:
+    """An asynchronous step whose rows are sampled on the device and not read yet."""
+
+    launched: _Launched
+    seqs: list[Sequence]  # the sequences sampled, in the order of `rows`
+    rows: LaunchedRows
+    index: dict[str, int]  # request id -> position in `seqs`
+
+
 def default_seed(request_id: str) -> int:
     """Seed of a request that gives none: the first 8 bytes of sha256(request_id)."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
@@ -211,6 +236,10 @@ class EngineCore:
         self._num_arrivals = 0
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)  # the latest steps, oldest first
         self._timing: list[float] = []  # the current step's phases so far (see StepRecord)
+        self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: _InFlight | None = None  # asynchronous steps: the step whose rows are not read yet
+        self.num_step_reruns = 0  # asynchronous steps run again (a row switched to text mode, or a redraw)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -248,12 +277,13 @@ class EngineCore:
             seq = self.scheduler.abort(request_id, "error", message)
             assert seq is not None
             events += self._finish_events(seq)
+        self._in_flight = None
         return events
 
     @property
     def has_work(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_work
+        """Whether any request is waiting or running (or an asynchronous step's rows are not read yet)."""
+        return self.scheduler.has_work or self._in_flight is not None
 
     def begin_step(self) -> tuple[list[tuple[str, Event]], SchedulerOutput, ModelInput | None]:
         """Expire overdue waiting requests, schedule, and build the model input (None: nothing to run)."""
@@ -287,16 +317,7 @@ class EngineCore:
                 chunk.seq.prefill_s += step_s
         events: list[tuple[str, Event]] = []
         for seq, row in self.scheduler.update(out, sampled):
-            rid = seq.request_id
-            if row[0] != MODALITY_PAD_ID:
-                text = self._detokenizers[rid].push(row[0])
-                if text:
-                    events.append((rid, TextDelta(text)))
-            code = seq.sampler.last_output_code
-            if code is not None:
-                events.append((rid, AudioCodes((code,))))
-            if seq.is_finished:
-                events += self._finish_events(seq)
+            events += self._row_events(seq, row)
         if len(self._timing) == 4:
             schedule_s, prepare_s, forward_s, sample_s = self._timing
             self.step_log.append(StepRecord(
@@ -307,12 +328,133 @@ class EngineCore:
         return events
 
     def step(self) -> list[tuple[str, Event]]:
-        """One whole step on the calling thread; returns (request id, event) pairs."""
+        """One whole step on the calling thread; returns (request id, event) pairs.
+
+        With `async_scheduling` a step launches the next forward, then reads the rows of the one before
+        (so a step's events come out one call later) and launches the sampling of the new one."""
+        if self.async_scheduling:
+            events, launched = self.schedule_step()
+            if launched is not None:
+                self.launch(launched)
+            self.wait_in_flight()
+            return events + self.finish_step(launched)
         events, out, inp = self.begin_step()
         if inp is not None:
             sampled, step_s = self.run_model(inp)
             events += self.end_step(out, sampled, step_s)
         return events
+
+    # ----- asynchronous steps (docs/engine.md, "Asynchronous steps") -----
+    @property
+    def has_work_in_flight(self) -> bool:
+        """Whether an asynchronous step's rows are still to be read."""
+        return self._in_flight is not None
+
+    def schedule_step(self) -> tuple[list[tuple[str, Event]], _Launched | None]:
+        """Expire, schedule and prepare the next step; the rows still being sampled are fed on the device
+        from the step in flight -> (events of expired requests, the step to `launch`, or None)."""
+        start = time.perf_counter()
+        events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return events, None
+        scheduled = time.perf_counter()
+        inp = self.runner.prepare(out)
+        return events, _Launched(out, inp, None, self._feed(inp), [scheduled - start, time.perf_counter() - scheduled],
+                                 start)
+
+    def launch(self, launched: _Launched) -> None:
+        """Launch the scheduled step's forward (no core state is touched: callers may run this without
+        their lock; an abort meanwhile only frees blocks, which nothing takes before the next schedule)."""
+        start = time.perf_counter()
+        launched.logits = self.runner.forward(launched.inp, launched.feed)
+        launched.timing.append(time.perf_counter() - start)
+
+    def wait_in_flight(self) -> None:
+        """Block until the in-flight step's ids are on the host (no core state is read: callers may run
+        this without their lock)."""
+        in_flight = self._in_flight
+        if in_flight is not None:
+            in_flight.rows.wait()
+
+    def finish_step(self, launched: _Launched | None) -> list[tuple[str, Event]]:
+        """Read the in-flight step's rows into their sequences (their events), run `launched` again if
+        its inputs or its text head turn out wrong, then launch its sampling and count its rows as
+        computed; it is the step in flight then."""
+        begin = time.perf_counter()
+        events: list[tuple[str, Event]] = []
+        fed_rows: list[Row] = []
+        changed = False
+        if self._in_flight is not None:
+            events, fed_rows, changed = self._read_in_flight()
+            self._in_flight = None
+        if launched is None:
+            return events
+        inp = launched.inp
+        assert launched.logits is not None, "finish_step before launch"
+        stale = launched.feed is not None and changed  # a redraw changed a row the step was fed
+        if stale or (launched.logits[0] is None and inp.needs_text_logits):  # a row switched to text mode
+            feed = launched.feed
+            if stale:
+                assert feed is not None
+                tokens, is_audio = split_rows(fed_rows)
+                device = feed.tokens.device
+                feed = RowFeed(to_device(tokens, device), to_device(is_audio, device), feed.dst, feed.src)
+            launched.logits = self.runner.forward(inp, feed)
+            self.num_step_reruns += 1
+        sampling = self.scheduler.advance(launched.out)  # the finished are left out
+        keep = [i for i, rid in enumerate(inp.sample_request_ids) if rid in self.scheduler.seqs]
+        assert [inp.sample_request_ids[i] for i in keep] == [seq.request_id for seq in sampling]
+        rows = self.runner.launch_sample(inp, launched.logits, keep, next_inputs=True)
+        sampled = time.perf_counter()
+        for seq in sampling:
+            seq.append_row(PENDING_ROW)
+        step_s = time.perf_counter() - launched.started
+        for chunk in launched.out.chunks:
+            if chunk.is_decode:
+                chunk.seq.decode_s += step_s
+                chunk.seq.num_decode_steps += 1
+            else:
+                chunk.seq.prefill_s += step_s
+        self._in_flight = _InFlight(launched, sampling, rows, {s.request_id: i for i, s in enumerate(sampling)})
+        out = launched.out
+        self.step_log.append(StepRecord(
+            path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
+            num_decode_seqs=sum(c.is_decode for c in out.chunks), schedule_s=launched.timing[0],
+            prepare_s=launched.timing[1], forward_s=launched.timing[2], sample_s=sampled - begin,
+            record_s=time.perf_counter() - sampled))
+        return events
+
+    def _feed(self, inp: ModelInput) -> RowFeed | None:
+        """Where the in-flight step's sampled rows go in `inp` (None: it holds none of them)."""
+        if not inp.pending_rows:
+            return None
+        in_flight = self._in_flight
+        assert in_flight is not None and in_flight.rows.next_tokens is not None and in_flight.rows.next_is_audio is not None
+        dst = [i for i, _ in inp.pending_rows]
+        src = [in_flight.index[rid] for _, rid in inp.pending_rows]
+        tokens, is_audio = in_flight.rows.next_tokens, in_flight.rows.next_is_audio
+        if dst == src == list(range(len(in_flight.seqs))):
+            return RowFeed(tokens, is_audio)
+        device = tokens.device
+        return RowFeed(tokens, is_audio, to_device(torch.tensor(dst, dtype=torch.long), device),
+                       to_device(torch.tensor(src, dtype=torch.long), device))
+
+    def _read_in_flight(self) -> tuple[list[tuple[str, Event]], list[Row], bool]:
+        """Read the in-flight step's rows into their sequences -> (their events, the rows in sampling
+        order, whether a redraw changed an id after the rows' inputs were computed on the device)."""
+        in_flight = self._in_flight
+        assert in_flight is not None
+        rows, changed = in_flight.rows.complete()
+        events: list[tuple[str, Event]] = []
+        for seq, row in zip(in_flight.seqs, rows, strict=True):
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            assert seq.rows[-1] is PENDING_ROW
+            seq.rows[-1] = row
+            self.scheduler.accept_row(seq, row)
+            events += self._row_events(seq, row)
+        return events, rows, changed
 
     def stats(self) -> EngineStats:
         """Queue lengths, block usage and prefix-cache counters."""
@@ -323,6 +465,21 @@ class EngineCore:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def _row_events(self, seq: Sequence, row: Row) -> list[tuple[str, Event]]:
+        """The events of a row just accepted: its text, its audio code, the end."""
+        rid = seq.request_id
+        events: list[tuple[str, Event]] = []
+        if row[0] != MODALITY_PAD_ID:
+            text = self._detokenizers[rid].push(row[0])
+            if text:
+                events.append((rid, TextDelta(text)))
+        code = seq.sampler.last_output_code
+        if code is not None:
+            events.append((rid, AudioCodes((code,))))
+        if seq.is_finished:
+            events += self._finish_events(seq)
+        return events
 
     def _finish_events(self, seq: Sequence) -> list[tuple[str, Event]]:
         """The text still held back (unless aborted), then `Finished`."""
@@ -485,9 +642,22 @@ class Engine:
             if not self.core.has_work:
                 self._wakeup.clear()
                 return True
-            events, out, inp = self.core.begin_step()
-            self._deliver(events)
-        if inp is None:  # queue expiries only, or every stream is paced: sleep until one is due
+            if self.core.async_scheduling:
+                events, launched = self.core.schedule_step()
+                self._deliver(events)
+                is_idle = launched is None and not self.core.has_work_in_flight
+            else:
+                events, out, inp = self.core.begin_step()
+                self._deliver(events)
+                is_idle = inp is None
+        if self.core.async_scheduling and not is_idle:
+            if launched is not None:
+                self.core.launch(launched)
+            self.core.wait_in_flight()  # the GPU runs `launched` meanwhile
+            with self._lock:
+                self._deliver(self.core.finish_step(launched))
+            return True
+        if is_idle:  # queue expiries only, or every stream is paced: sleep until one is due
             with self._lock:
                 due = self.core.scheduler.next_due_in()
             time.sleep(min(0.002, max(0.0005, due or 0.0)))  # a new request waits at most 2 ms

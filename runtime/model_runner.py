@@ -12,7 +12,7 @@ per row-count bucket).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,8 +22,9 @@ from runtime.fused import FusedWeights
 from runtime.kv_cache import KVCache
 from runtime.modality import TEXT_MODE
 from runtime.model import MossSpeechForCausalLM, split_rows
-from runtime.sampling import RequestSampler, sample_next_rows
+from runtime.sampling import LaunchedRows, RequestSampler, launch_next_rows, to_device
 from runtime.scheduler import SchedulerOutput
+from runtime.sequence import PENDING_ROW
 
 # Decode steps for the graph runner keep their inputs on the host and move them in one copy
 # (`DecodeGraphRunner.run_host`); False: device tensors per input, as before (bench/engine_loop.py A/B).
@@ -44,12 +45,36 @@ class ModelInput:
     # a decode step for the graph runner: the tensors above stay on the host (`DecodeGraphRunner.run_host`
     # moves them in one copy) and every sequence samples (sample_indices = 0..S-1)
     host_decode: bool = False
+    # (flat row index, request id) of the rows that are PENDING_ROW: their inputs come from a `RowFeed`
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def needs_text_logits(self) -> bool:
         """Whether a row of this step samples in text mode; if none does, its text logits go unread
         (audio-mode rows overwrite their text token with MODALITY_PAD, runtime/sampling.py)."""
         return any(s.mode == TEXT_MODE for s in self.samplers)
+
+
+@dataclass
+class RowFeed:
+    """Inputs of a step's rows that were sampled on the device and not read yet: row `dst[i]` of the step
+    embeds `tokens[src[i]]` (`is_audio` likewise); `dst`, `src` None: rows 0..n-1 take 0..n-1."""
+
+    tokens: torch.Tensor  # [S] long, on the device
+    is_audio: torch.Tensor  # [S] bool
+    dst: torch.Tensor | None = None  # [n] long
+    src: torch.Tensor | None = None  # [n] long
+
+    def apply(self, tokens: torch.Tensor, is_audio: torch.Tensor) -> None:
+        """Write the fed rows into a step's `tokens` / `is_audio` (device tensors, in place, no wait)."""
+        if self.dst is None:
+            n = self.tokens.shape[0]
+            tokens[:n].copy_(self.tokens)
+            is_audio[:n].copy_(self.is_audio)
+        else:
+            assert self.src is not None
+            tokens.index_copy_(0, self.dst, self.tokens.index_select(0, self.src))
+            is_audio.index_copy_(0, self.dst, self.is_audio.index_select(0, self.src))
 
 
 class ModelRunner:
@@ -97,9 +122,12 @@ class ModelRunner:
         sample_indices: list[int] = []
         sample_request_ids: list[str] = []
         samplers: list[RequestSampler] = []
+        pending_rows: list[tuple[int, str]] = []
         for i, chunk in enumerate(out.chunks):
             seq = chunk.seq
             end = chunk.start + chunk.num_tokens
+            if seq.rows[end - 1] is PENDING_ROW:
+                pending_rows.append((len(rows) + chunk.num_tokens - 1, seq.request_id))
             rows.extend(seq.rows[chunk.start : end])
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
@@ -123,6 +151,7 @@ class ModelRunner:
             sample_request_ids=sample_request_ids,
             samplers=samplers,
             host_decode=host_decode,
+            pending_rows=pending_rows,
         )
 
     @torch.inference_mode()
@@ -131,25 +160,46 @@ class ModelRunner:
         return self.sample(inp, self.forward(inp))
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward(self, inp: ModelInput, feed: RowFeed | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Launch the forward pass -> (text_logits [S, Vt], audio_logits [S, Va]); does not wait for the GPU.
 
         Text logits are None when the fast path skipped them (no row samples in text mode).
-        The logits may be views of a graph's static output: `sample` them before the next `forward`."""
-        return self._forward(inp)
+        `feed` gives the inputs of the step's PENDING_ROW rows (`inp.pending_rows`); running the same `inp`
+        again (with its feed) recomputes the same step, the cache rows included.
+        The logits may be views of a graph's static output: sample them before the next `forward`."""
+        if inp.pending_rows and feed is None:
+            raise ValueError(f"{len(inp.pending_rows)} row(s) of this step are pending and no feed gives them")
+        return self._forward(inp, feed)
 
     @torch.inference_mode()
     def sample(self, inp: ModelInput, logits: tuple[torch.Tensor | None, torch.Tensor]) -> dict[str, Row]:
         """Sample the rows of `forward`'s logits (waits for the GPU when reading the sampled ids)."""
+        return dict(zip(inp.sample_request_ids, self.launch_sample(inp, logits).complete()[0], strict=True))
+
+    @torch.inference_mode()
+    def launch_sample(
+        self, inp: ModelInput, logits: tuple[torch.Tensor | None, torch.Tensor], keep: list[int] | None = None,
+        *, next_inputs: bool = False,
+    ) -> LaunchedRows:
+        """Launch the sampling of `forward`'s logits without reading the ids (`LaunchedRows.complete` does).
+        `keep`: the positions in `inp.samplers` to sample (None: all); `next_inputs`: also compute each new
+        row's next-step input on the device (`LaunchedRows.next_tokens`, for a `RowFeed`)."""
         text_logits, audio_logits = logits
-        if not inp.samplers:
-            return {}
-        if not inp.host_decode:  # (a host decode step samples every sequence: nothing to select)
+        samplers = inp.samplers
+        if keep is not None and len(keep) < len(samplers):
+            samplers = [samplers[k] for k in keep]
+            index = to_device(torch.tensor(keep, dtype=torch.long), audio_logits.device)
+            if not inp.host_decode:
+                index = inp.sample_indices.index_select(0, index)
+        elif not inp.host_decode:  # (a host decode step samples every sequence: nothing to select)
+            index = inp.sample_indices
+        else:
+            index = None
+        if index is not None:
             if text_logits is not None:
-                text_logits = text_logits.index_select(0, inp.sample_indices)  # [K, Vt]
-            audio_logits = audio_logits.index_select(0, inp.sample_indices)  # [K, Va]
-        new_rows = sample_next_rows(text_logits, audio_logits, inp.samplers)
-        return dict(zip(inp.sample_request_ids, new_rows, strict=True))
+                text_logits = text_logits.index_select(0, index)  # [K, Vt]
+            audio_logits = audio_logits.index_select(0, index)  # [K, Va]
+        return launch_next_rows(text_logits, audio_logits, samplers, next_inputs=next_inputs)
 
     def run(self, out: SchedulerOutput) -> dict[str, Row]:
         """`prepare` then `execute`; returns the sampled row per request id."""
@@ -159,8 +209,10 @@ class ModelRunner:
         self.num_steps_by_path[path] += 1
         self.last_path = path
 
-    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _forward(self, inp: ModelInput, feed: RowFeed | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         attn = inp.attn
+        if feed is not None and not inp.host_decode:
+            feed.apply(inp.tokens, inp.is_audio)
         if self.fast is None or self.graphs is None:
             self._took("plain")
             return self.model(inp.tokens, inp.is_audio, inp.positions, self.kv_cache, attn)
@@ -175,7 +227,7 @@ class ModelRunner:
             if inp.host_decode:
                 return self.graphs.run_host(
                     inp.tokens.numpy(), inp.is_audio.numpy(), inp.positions.numpy(), attn.slot_mapping.numpy(),
-                    attn.block_tables, attn.seq_lens, text=text,
+                    attn.block_tables, attn.seq_lens, text=text, feed=feed,
                 )
             width = max(len(t) for t in attn.block_tables)
             tables = torch.tensor(

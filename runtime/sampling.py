@@ -245,7 +245,66 @@ def sample_next_rows(
     that skipped the text head): audio-mode rows never read them. The inputs are not modified. Each request's
     result depends only on its own logits, state and seed, never on the rest of the batch.
     """
-    global num_full_sort_redraws
+    return launch_next_rows(text_logits, audio_logits, samplers).complete()[0]
+
+
+@dataclass
+class LaunchedRows:
+    """Rows sampled on the device and not read yet (`launch_next_rows`); `complete` reads them.
+
+    ``next_tokens`` / ``next_is_audio`` ([S] on the device, None unless asked for) are what each new row
+    embeds as the next step's input (``model.split_rows`` of the row after the modality overwrite), so a
+    next step can be launched on them before the host has read the ids."""
+
+    samplers: list[RequestSampler]
+    text_rows: list[int]
+    results: list[tuple[torch.Tensor, torch.Tensor | None]]  # per channel: ids, ties_past_k
+    draws: list[tuple[torch.Tensor, list[SamplingParams], torch.Tensor]]  # per channel: logits, params, uniforms
+    read: torch.Tensor  # ids then flags; host (pinned, filled by a non-blocking copy) or the device tensor
+    ready: torch.cuda.Event | None  # marks that copy
+    next_tokens: torch.Tensor | None = None
+    next_is_audio: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        """Block until the sampled ids have reached the host (no-op off CUDA)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def complete(self) -> tuple[list[Row], bool]:
+        """Read the ids (the step's one wait for the GPU), redraw channels whose ties reach past the top-k
+        candidates, append each row to its sampler -> (rows, whether a redraw changed an id, which makes
+        ``next_tokens`` stale)."""
+        global num_full_sort_redraws
+        self.wait()
+        read = self.read.tolist()
+        picked, ties_read = read[: len(read) // 2], read[len(read) // 2 :]
+        num_seqs = len(self.samplers)
+        changed = False
+        start = 0
+        for (ids, _), draw in zip(self.results, self.draws, strict=True):
+            end = start + ids.shape[0]
+            if any(ties_read[start:end]):  # rare (many equal logits): redraw the channel over its full sort
+                redrawn = _sample_tokens(*draw, full_sort=True)[0].tolist()
+                changed = changed or redrawn != picked[start:end]
+                picked[start:end] = redrawn
+                num_full_sort_redraws += 1
+            start = end
+        text_tokens = [MODALITY_PAD_ID] * num_seqs
+        for i, token in zip(self.text_rows, picked[num_seqs:], strict=True):
+            text_tokens[i] = token
+        rows = [s._append(t, a) for s, t, a in zip(self.samplers, text_tokens, picked[:num_seqs], strict=True)]
+        return rows, changed
+
+
+def launch_next_rows(
+    text_logits: torch.Tensor | None, audio_logits: torch.Tensor, samplers: list[RequestSampler], *,
+    next_inputs: bool = False,
+) -> LaunchedRows:
+    """`sample_next_rows` up to the read: launch the sampling kernels (and, with ``next_inputs``, compute
+    the rows' next-step inputs on the device) without waiting for the GPU. Each sampler's draw counter
+    advances now; nothing else of its state changes before `LaunchedRows.complete`, and no sampler may be
+    launched again before that. The logits may be overwritten once this returns (what a redraw needs is
+    copied)."""
     num_seqs = len(samplers)
     text_rows = [i for i, s in enumerate(samplers) if s.mode == TEXT_MODE]
     if text_logits is None and text_rows:
@@ -262,9 +321,9 @@ def sample_next_rows(
         raise ValueError(f"audio logits need more than {EOSP_ID} columns, got {audio_logits.shape[1]}")
     if text_logits is not None and text_logits.device != audio_logits.device:
         raise ValueError(f"text logits on {text_logits.device} but audio logits on {audio_logits.device}")
-    if num_seqs == 0:
-        return []
     device = audio_logits.device
+    if num_seqs == 0:
+        return LaunchedRows([], [], [], [], torch.zeros(0, dtype=torch.long), None)
     uniforms = to_device(torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32), device)  # [S, 2]
 
     audio = audio_logits.float().clone()  # [S, Va]
@@ -278,32 +337,49 @@ def sample_next_rows(
     draws = [(audio, audio_params, uniforms[:, 1])]  # per channel: (logits, params, uniforms)
 
     # Audio-mode rows get MODALITY_PAD as their text token whatever is sampled: skip their text channel.
+    text_index = None
     if text_rows:
         assert text_logits is not None  # checked above
         text = text_logits
         text_uniforms = uniforms[:, 0]
         if len(text_rows) < num_seqs:
-            index = to_device(torch.tensor(text_rows, dtype=torch.long), device)
-            text, text_uniforms = text.index_select(0, index), text_uniforms.index_select(0, index)
+            text_index = to_device(torch.tensor(text_rows, dtype=torch.long), device)
+            text, text_uniforms = text.index_select(0, text_index), text_uniforms.index_select(0, text_index)
+        elif text.dtype == torch.float32:
+            text = text.clone()  # a redraw reads it after the caller may have overwritten the logits
         text_params = [samplers[i].text_params for i in text_rows]
         text = _penalise_channel(text.float(), [samplers[i]._text_history for i in text_rows], text_params)
         draws.append((text, text_params, text_uniforms))
     results = [_sample_tokens(*draw) for draw in draws]  # ids [S] (audio), then [T] (text)
     flags = [torch.zeros_like(ids, dtype=torch.bool) if ties is None else ties for ids, ties in results]
-    # the step's one wait for the GPU: the ids and each channel's ties_past_k flags in one read
-    read = torch.cat([ids for ids, _ in results] + flags).tolist()
-    picked, ties_read = read[: len(read) // 2], read[len(read) // 2 :]
-    start = 0
-    for (ids, _), draw in zip(results, draws, strict=True):
-        end = start + ids.shape[0]
-        if any(ties_read[start:end]):  # rare (many equal logits): redraw the channel over its full sort
-            picked[start:end] = _sample_tokens(*draw, full_sort=True)[0].tolist()
-            num_full_sort_redraws += 1
-        start = end
-    text_tokens = [MODALITY_PAD_ID] * num_seqs
-    for i, token in zip(text_rows, picked[num_seqs:], strict=True):
-        text_tokens[i] = token
-    return [s._append(t, a) for s, t, a in zip(samplers, text_tokens, picked[:num_seqs], strict=True)]
+    read = torch.cat([ids for ids, _ in results] + flags)  # ids and each channel's ties_past_k flags
+    ready = None
+    if device.type == "cuda":
+        host = torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
+        host.copy_(read, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        read = host
+    launched = LaunchedRows(samplers, text_rows, results, draws, read, ready)
+    if next_inputs:
+        launched.next_tokens, launched.next_is_audio = _next_inputs(
+            results[0][0], results[1][0] if text_rows else None, text_index)
+    return launched
+
+
+def _next_inputs(
+    audio_ids: torch.Tensor, text_ids: torch.Tensor | None, text_index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token each sampled row embeds next and whether it is the audio one, on the device. A row sampled
+    in audio mode is (MODALITY_PAD, audio id), one sampled in text mode (text id, audio id), and a row whose
+    text is the modality pad embeds its audio token (`model.split_rows`). `text_ids` holds the text-mode rows
+    (None: there are none), at `text_index` among all rows (None: every row)."""
+    if text_ids is None:
+        return audio_ids, torch.ones_like(audio_ids, dtype=torch.bool)
+    if text_index is not None:
+        text_ids = torch.full_like(audio_ids, MODALITY_PAD_ID).index_copy_(0, text_index, text_ids)
+    is_audio = text_ids == MODALITY_PAD_ID
+    return torch.where(is_audio, audio_ids, text_ids), is_audio
 
 
 def _penalise_channel(

@@ -20,7 +20,7 @@ from runtime.config import CODES_PER_SECOND, Row
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError
 from runtime.request import FinishReason, GenerationRequest
 from runtime.sampling import is_stop_row
-from runtime.sequence import Sequence, SequenceStatus
+from runtime.sequence import PENDING_ROW, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,8 @@ class Scheduler:
                     continue  # preempted earlier in this loop, or not this pass
                 if decoding and lead is not None and (not wake or self._lead(seq, now) >= 1.5 * lead):
                     continue  # paced: far enough ahead of real time
+                if decoding and seq.num_generated >= seq.request.max_new_tokens:
+                    continue  # its last row is still being sampled (asynchronous steps): it ends then
                 num_tokens = min(seq.num_uncomputed, budget)
                 if num_tokens == 0:
                     break
@@ -174,6 +176,17 @@ class Scheduler:
         finished and their blocks freed. Sequences aborted during the step are skipped.
         """
         new_rows: list[tuple[Sequence, Row]] = []
+        for seq in self.advance(out):
+            row = sampled[seq.request_id]
+            seq.append_row(row)
+            self.accept_row(seq, row)
+            new_rows.append((seq, row))
+        return new_rows
+
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """The progress half of `update`: count the step's rows as computed and publish full blocks ->
+        the sequences that sampled a row in it (not finished meanwhile), in batch order."""
+        sampling: list[Sequence] = []
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.is_finished:
@@ -181,18 +194,19 @@ class Scheduler:
             assert seq.num_computed_tokens == chunk.start
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not chunk.needs_sample:
-                continue
-            row = sampled[seq.request_id]
-            seq.append_row(row)
-            if seq.first_code_time is None and seq.sampler.audio_codes:
-                seq.first_code_time = self.clock()
-            new_rows.append((seq, row))
-            if is_stop_row(row):
-                self._finish(seq, "stop")
-            elif seq.num_generated >= seq.request.max_new_tokens:
-                self._finish(seq, "length")
-        return new_rows
+            if chunk.needs_sample:
+                sampling.append(seq)
+        return sampling
+
+    def accept_row(self, seq: Sequence, row: Row) -> None:
+        """The row half of `update` for a row now in `seq.rows` (appended, or put in place of
+        PENDING_ROW): note the first audio code, finish a sequence that stops or reaches its length."""
+        if seq.first_code_time is None and seq.sampler.audio_codes:
+            seq.first_code_time = self.clock()
+        if is_stop_row(row):
+            self._finish(seq, "stop")
+        elif seq.num_generated >= seq.request.max_new_tokens:
+            self._finish(seq, "length")
 
     def next_due_in(self) -> float | None:
         """Seconds until pacing lets a decode step run again (None: pacing holds nothing back)."""
@@ -268,6 +282,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq.rows[-1] is PENDING_ROW:  # ended before its row was read (abort, error): the row is dropped
+            seq.rows.pop()
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

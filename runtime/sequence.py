@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from runtime.tokenizer import Tokenizer
 
 
+# The last row of a sequence whose next row is sampled on the device but not read yet (EngineCore's
+# asynchronous steps): the scheduler treats it as a known row, and the next step's input for it comes from
+# the device; it is replaced with the sampled row once read. Compared by identity.
+PENDING_ROW: Row = (-1, -1)
+
+
 class SequenceStatus(enum.Enum):
     """Where a sequence is: in the waiting queue, in the running batch, or done."""
 

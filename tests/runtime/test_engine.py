@@ -12,19 +12,20 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.config import AUDIO_PAD_ID, IM_START_ID, MODALITY_PAD_ID, SOSP_ID, ModelConfig, Row
+from runtime.config import AUDIO_PAD_ID, EOSP_ID, IM_START_ID, MODALITY_PAD_ID, SOSP_ID, ModelConfig, Row
 from runtime.engine import Engine, EngineConfig, EngineCore, default_seed, num_kv_blocks
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache import kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta
-from runtime.sampling import RequestSampler, SamplingParams, is_stop_row, sample_next_rows
-from runtime.sequence import IncrementalDetokenizer, Sequence
+from runtime.sampling import LaunchedRows, RequestSampler, SamplingParams, is_stop_row, sample_next_rows
+from runtime.sequence import PENDING_ROW, IncrementalDetokenizer, Sequence
 from runtime.tokenizer import Tokenizer
 
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), num_shared_layers=2, num_modality_layers=1)
 GREEDY = SamplingParams(temperature=0.0)  # repetition penalty stays at the default 1.1
 HOT = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+ASYNC_STEPS = [False, True]  # EngineCore's steps as written, and launched one ahead (async_scheduling)
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +103,20 @@ def check_events(events: list[Event], sampler: RequestSampler, seq: Sequence, re
     assert sum(isinstance(e, Finished) for e in events) == 1
 
 
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
 @pytest.mark.parametrize("audio_out", [True, False])
-def test_single_request_greedy_matches_reference(model: MossSpeechForCausalLM, audio_out: bool) -> None:
+def test_single_request_greedy_matches_reference(model: MossSpeechForCausalLM, audio_out: bool, async_steps: bool) -> None:
     request = GenerationRequest("r", prompt(random.Random(1), 11, audio_out), GREEDY, GREEDY, max_new_tokens=9)
-    seqs, events = run_core(EngineCore(model, Tokenizer.tiny(), engine_config()), {0: [request]})
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps))
+    seqs, events = run_core(core, {0: [request]})
     ref, sampler = reference_rows(model, request)
     assert generated(seqs["r"]) == ref
     check_events(events["r"], sampler, seqs["r"], "stop" if is_stop_row(ref[-1]) else "length")
     assert (len(sampler.audio_codes) > 0) == audio_out
 
 
-def test_eight_staggered_requests_match_reference(model: MossSpeechForCausalLM) -> None:
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_eight_staggered_requests_match_reference(model: MossSpeechForCausalLM, async_steps: bool) -> None:
     rng = random.Random(2)
     requests = [
         GenerationRequest(f"r{i}", prompt(rng, rng.randrange(3, 18), audio_out=i % 2 == 0), GREEDY, GREEDY,
@@ -121,7 +125,7 @@ def test_eight_staggered_requests_match_reference(model: MossSpeechForCausalLM) 
     ]
     arrivals = {0: requests[:2], 1: requests[2:3], 3: requests[3:5], 4: requests[5:6], 7: requests[6:]}
     # A 10-row budget forces chunked prefills to share steps with decodes.
-    core = EngineCore(model, Tokenizer.tiny(), engine_config(max_num_batched_tokens=10))
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(max_num_batched_tokens=10, async_scheduling=async_steps))
     seqs, events = run_core(core, arrivals)
     for request in requests:
         ref, sampler = reference_rows(model, request)
@@ -131,7 +135,8 @@ def test_eight_staggered_requests_match_reference(model: MossSpeechForCausalLM) 
     assert core.stats().num_blocks_used == 0
 
 
-def test_fast_path_matches_reference() -> None:
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_fast_path_matches_reference(async_steps: bool) -> None:
     plain = build_model(CONFIG, seed=0)
     fused = build_model(CONFIG, seed=0)  # fusing rewrites the model's parameters as views
     rng = random.Random(13)
@@ -140,7 +145,7 @@ def test_fast_path_matches_reference() -> None:
         for i in range(3)
     ]
     core = EngineCore(fused, Tokenizer.tiny(), engine_config(fast_path=True, max_num_running=2,
-                                                             max_num_batched_tokens=8))
+                                                             max_num_batched_tokens=8, async_scheduling=async_steps))
     seqs, _ = run_core(core, {0: requests[:2], 2: requests[2:]})
     for request in requests:
         assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
@@ -179,15 +184,19 @@ def test_audio_only_steps_skip_the_text_head_and_change_no_row() -> None:
     assert runner.num_audio_only_steps == 5 and runner_whole.num_audio_only_steps == 0
 
 
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_preemption_and_recompute_keep_outputs(model: MossSpeechForCausalLM, prefix_caching: bool) -> None:
+def test_preemption_and_recompute_keep_outputs(
+    model: MossSpeechForCausalLM, prefix_caching: bool, async_steps: bool
+) -> None:
     rng = random.Random(3)
     requests = [
         GenerationRequest(f"p{i}", prompt(rng, 6 + i, audio_out=i != 1), GREEDY, GREEDY, max_new_tokens=8)
         for i in range(3)
     ]
     # 3 requests of 14..16 rows need 12 blocks of 4 rows; the pool has 6.
-    core = EngineCore(model, Tokenizer.tiny(), engine_config(num_blocks=6, enable_prefix_caching=prefix_caching))
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(num_blocks=6, enable_prefix_caching=prefix_caching,
+                                                             async_scheduling=async_steps))
     seqs, _ = run_core(core, {0: requests})
     assert core.stats().num_preemptions > 0
     assert max(s.num_admissions for s in seqs.values()) > 1
@@ -197,13 +206,14 @@ def test_preemption_and_recompute_keep_outputs(model: MossSpeechForCausalLM, pre
     assert all(b.ref_count == 0 for b in core.block_manager.blocks)
 
 
-def test_prefix_cache_hits_are_counted_and_do_not_change_outputs(model: MossSpeechForCausalLM) -> None:
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_prefix_cache_hits_are_counted_and_do_not_change_outputs(model: MossSpeechForCausalLM, async_steps: bool) -> None:
     rng = random.Random(4)
     shared = prompt(rng, 10, audio_out=False)
     first = GenerationRequest("a", shared + ((1, 512), (2, 512), (SOSP_ID, 512)), GREEDY, GREEDY, max_new_tokens=3)
     second = GenerationRequest("b", shared + ((3, 512), (SOSP_ID, 512)), GREEDY, GREEDY, max_new_tokens=3)
     same = GenerationRequest("c", first.prompt_rows, GREEDY, GREEDY, max_new_tokens=3)
-    core = EngineCore(model, Tokenizer.tiny(), engine_config(block_size=4))
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(block_size=4, async_scheduling=async_steps))
     # a runs first (13 rows: 3 full blocks cached); b shares 2 full blocks = 8 rows; c repeats a's
     # prompt: 3 blocks = 12 rows (the last prompt row is always computed).
     seqs, events = run_core(core, {0: [first], 30: [second], 60: [same]})
@@ -215,7 +225,8 @@ def test_prefix_cache_hits_are_counted_and_do_not_change_outputs(model: MossSpee
         assert generated(seqs[request.request_id]) == reference_rows(model, request)[0]
 
 
-def test_seeded_sampling_is_the_same_alone_and_interleaved(model: MossSpeechForCausalLM) -> None:
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_seeded_sampling_is_the_same_alone_and_interleaved(model: MossSpeechForCausalLM, async_steps: bool) -> None:
     rng = random.Random(5)
     requests = [
         GenerationRequest(f"s{i}", prompt(rng, 5 + 3 * i, audio_out=i % 2 == 1), HOT, HOT, max_new_tokens=5,
@@ -226,7 +237,7 @@ def test_seeded_sampling_is_the_same_alone_and_interleaved(model: MossSpeechForC
     for request in requests:
         seqs, _ = run_core(EngineCore(model, Tokenizer.tiny(), engine_config()), {0: [request]})
         alone[request.request_id] = generated(seqs[request.request_id])
-    core = EngineCore(model, Tokenizer.tiny(), engine_config(max_num_batched_tokens=12))
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(max_num_batched_tokens=12, async_scheduling=async_steps))
     together, _ = run_core(core, {0: requests[:2], 2: requests[2:]})
     for request in requests:
         assert generated(together[request.request_id]) == alone[request.request_id]
@@ -331,12 +342,13 @@ def test_async_errors_come_from_first_anext(model: MossSpeechForCausalLM) -> Non
     asyncio.run(main())
 
 
-def test_async_stream_matches_reference(model: MossSpeechForCausalLM) -> None:
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_async_stream_matches_reference(model: MossSpeechForCausalLM, async_steps: bool) -> None:
     request = GenerationRequest("x", prompt(random.Random(9), 12, audio_out=True), GREEDY, GREEDY,
                                 max_new_tokens=8, min_new_tokens=8)
 
     async def main() -> list[Event]:
-        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        engine = Engine(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps))
         events = [e async for e in engine.generate(request)]
         await engine.shutdown()
         return events
@@ -375,7 +387,8 @@ def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpee
     assert after[-1] == Finished("length", 6, 3, 3, 0)
 
 
-def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM) -> None:
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM, async_steps: bool) -> None:
     small = dataclasses.replace(CONFIG, num_shared_layers=1)
     engine_model = build_model(small, seed=1)
     rng = random.Random(10)
@@ -388,7 +401,7 @@ def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM) ->
     async def main() -> None:
         kv_bytes = 1024 * kv_bytes_per_block(small, 4, torch.float32)
         engine = Engine(engine_model, Tokenizer.tiny(), EngineConfig(block_size=4, kv_cache_bytes=kv_bytes,
-                                                                     max_num_running=128))
+                                                                     max_num_running=128, async_scheduling=async_steps))
         streams = [engine.generate(r) for r in requests]
         firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         assert all(isinstance(e, AudioCodes) for e in firsts)
@@ -466,3 +479,94 @@ def test_codes_batching_options_are_validated(model: MossSpeechForCausalLM) -> N
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def eosp_prone_model() -> MossSpeechForCausalLM:
+    """The tiny model with its EOSP row of the audio head scaled up: greedy audio rows end their audio span
+    now and then, so requests flip from audio to text mode (and back on SOSP) mid-generation."""
+    rigged = build_model(CONFIG, seed=0)
+    with torch.no_grad():
+        rigged.audio_lm_head.weight[EOSP_ID] *= 40.0
+    return rigged
+
+
+def test_async_steps_rerun_a_step_launched_without_text_head_when_a_row_switches_to_text() -> None:
+    """An asynchronous step is launched audio-only when every row was in audio mode; when the row read
+    meanwhile is EOSP, its sequence samples the next row in text mode, so the step runs again with the text
+    head. Rows and events equal the synchronous engine's and the reference's."""
+    rng = random.Random(31)
+    requests = [GenerationRequest(f"e{i}", prompt(rng, 5 + 2 * i, audio_out=True), GREEDY, GREEDY,
+                                  max_new_tokens=12, min_new_tokens=2 + i) for i in range(4)]
+    results = {}
+    for async_steps in (False, True):
+        core = EngineCore(eosp_prone_model(), Tokenizer.tiny(), engine_config(fast_path=True,
+                                                                                async_scheduling=async_steps))
+        results[async_steps] = (*run_core(core, {0: requests}), core)
+    (seqs, events, core), (seqs_sync, events_sync, core_sync) = results[True], results[False]
+    reference = eosp_prone_model()
+    for request in requests:
+        rows = generated(seqs[request.request_id])
+        assert rows == generated(seqs_sync[request.request_id]) == reference_rows(reference, request)[0]
+    assert sum(row[1] == EOSP_ID for seq in seqs.values() for row in generated(seq)) == 10
+    assert events == events_sync
+    assert (core.num_step_reruns, core_sync.num_step_reruns) == (1, 0)
+    # the rerun step counts once more on the runner; the step log has one record per step either way
+    assert core.runner.num_steps_by_path == Counter(fast=1, graph=12)
+    assert core_sync.runner.num_steps_by_path == Counter(fast=1, graph=11)
+    assert len(core.step_log) == len(core_sync.step_log) == 12
+    assert (core.runner.num_audio_only_steps, core_sync.runner.num_audio_only_steps) == (7, 6)
+
+
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_async_steps_rerun_with_host_inputs_when_a_redraw_changes_a_fed_row(
+    model: MossSpeechForCausalLM, monkeypatch: pytest.MonkeyPatch, fast_path: bool
+) -> None:
+    """A redraw after the read (ties past the top-k candidates) makes the inputs fed on the device stale:
+    the step runs again on the rows read. Forcing that report at every read, every step that was fed runs
+    twice, the second time on inputs built on the host, and the rows still equal the reference."""
+    rng = random.Random(32)
+    requests = [GenerationRequest(f"h{i}", prompt(rng, 4 + 3 * i, audio_out=i != 1), GREEDY, GREEDY,
+                                  max_new_tokens=4 + i) for i in range(3)]
+    reference = [reference_rows(model, request)[0] for request in requests]  # before the patch
+    complete = LaunchedRows.complete
+
+    def stale_complete(self: LaunchedRows) -> tuple[list[Row], bool]:
+        return complete(self)[0], True
+
+    monkeypatch.setattr(LaunchedRows, "complete", stale_complete)
+    engine_model = build_model(CONFIG, seed=0) if fast_path else model  # fusing rewrites the parameters
+    core = EngineCore(engine_model, Tokenizer.tiny(), engine_config(max_num_batched_tokens=9, async_scheduling=True,
+                                                                    fast_path=fast_path))
+    seqs, _ = run_core(core, {0: requests[:2], 1: requests[2:]})
+    assert [generated(seqs[request.request_id]) for request in requests] == reference
+    assert (core.runner.num_steps_by_path["graph"] > 0) == fast_path
+    # a step with a decode row was fed the row sampled just before it: each of them ran twice
+    fed = sum(r.num_decode_seqs > 0 for r in core.step_log)
+    assert core.num_step_reruns == fed > 0 and len(core.step_log) > fed
+
+
+def test_async_steps_abort_between_launch_and_read(model: MossSpeechForCausalLM) -> None:
+    """Aborting a request whose row is still being sampled ends it at once with the rows read so far (the
+    pending one is dropped) and frees its blocks; the others' rows are the reference's."""
+    rng = random.Random(33)
+    requests = [GenerationRequest(f"b{i}", prompt(rng, 6 + i, audio_out=True), GREEDY, GREEDY,
+                                  max_new_tokens=10, min_new_tokens=10) for i in range(3)]
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=True))
+    seqs = [core.add_request(request) for request in requests]
+    events: list[tuple[str, Event]] = []
+    for _ in range(4):  # the prefill, then three decode steps: the fourth row is in flight
+        events += core.step()
+    assert seqs[1].rows[-1] is PENDING_ROW and core.has_work_in_flight
+    assert core.abort("b1") == [("b1", Finished("abort", 7, 3, 3, 0))]
+    assert seqs[1].block_table == [] and PENDING_ROW not in seqs[1].rows
+    while core.has_work:
+        events += core.step()
+    codes = {r.request_id: [c for rid, e in events if rid == r.request_id and isinstance(e, AudioCodes)
+                            for c in e.codes] for r in requests}
+    reference = [reference_rows(model, request) for request in requests]
+    assert codes["b1"] == list(reference[1][1].audio_codes[:3])
+    assert generated(seqs[1]) == reference[1][0][:3]
+    for i in (0, 2):
+        assert generated(seqs[i]) == reference[i][0]
+        assert codes[requests[i].request_id] == list(reference[i][1].audio_codes)
+    assert core.stats().num_blocks_used == 0
