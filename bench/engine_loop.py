@@ -196,6 +196,26 @@ def run_level(core: EngineCore, make_request: Any, concurrency: int, num_request
     }
 
 
+def check_async_rows(core: EngineCore, make_request: Any, num_requests: int) -> dict[str, Any]:
+    """The rows of `num_requests` seeded requests run together three times: synchronous steps twice, then
+    asynchronous ones. The second and third runs see the same prefix-cache hits (the first fills the cache),
+    so their batches are the same step for step and the rows must be equal; the first two show the runs'
+    own repeatability."""
+    runs = []
+    for async_steps in (False, False, True):
+        core.async_scheduling = async_steps
+        seqs = [core.add_request(make_request(seed)) for seed in range(num_requests)]
+        while core.has_work:
+            core.step()
+        if any(seq.finish_reason not in ("stop", "length") for seq in seqs):
+            raise RuntimeError(f"check requests ended {[seq.finish_reason for seq in seqs]}")
+        runs.append([seq.rows[seq.num_prompt_rows:] for seq in seqs])
+    mismatch = [i for i, (a, b) in enumerate(zip(runs[1], runs[2], strict=True)) if a != b]
+    return {"requests": num_requests, "rows_per_request": sorted({len(r) for r in runs[2]}),
+            "sync_runs_equal": runs[0] == runs[1], "async_equals_sync": not mismatch,
+            "mismatched_requests": mismatch, "step_reruns": core.num_step_reruns}
+
+
 def summarize_steps(steps: list[StepRecord]) -> dict[str, Any]:
     """Per runner path: step count, rows, and each phase's mean / p50 / max wall time in ms."""
     out: dict[str, Any] = {}
@@ -264,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="EngineCore.async_scheduling: on (launch step n+1 before reading step n's ids) or off; a comma "
                         "list runs every level once per entry in this process (an A/B; default: the engine's, on for "
                         "CUDA); one option of --decode-inputs, --tie-margins, --async-steps may list several")
+    p.add_argument("--check-async", type=int, default=0,
+                   help="before timing, run this many seeded requests with synchronous and asynchronous steps and "
+                        "compare their rows (under 'async_check')")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per level, profile this many decode steps at full concurrency (GPU figures on CUDA): GPU busy "
                         "and idle time per step and the kernels by name, under 'timeline' (the profiler slows "
@@ -315,6 +338,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
+    if args.check_async:
+        check_text = speech_prompt_text(args.prompt_tokens, variant=10**6)
+        summary["async_check"] = check_async_rows(
+            core, lambda seed: speech_request(core.tokenizer, check_text, max_new_tokens=args.max_new_tokens,
+                                              min_new_tokens=args.max_new_tokens, seed=seed, temperature=None),
+            args.check_async)
+        if not summary["async_check"]["async_equals_sync"]:
+            raise SystemExit(f"asynchronous steps changed rows: {summary['async_check']}")
     for mode, margin, async_steps in runs:
         runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
         runtime.sampling.TOPK_TIE_MARGIN = margin

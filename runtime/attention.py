@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kv_cache import KVCache
+from runtime.transfer import to_device
 
 
 class AttentionMetadataError(ValueError):
@@ -58,7 +59,7 @@ class AttentionMetadata:
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """[N] positions of the new rows: seq_len - query_len .. seq_len - 1 per sequence."""
         parts = [torch.arange(s - q, s) for q, s in zip(self.query_lens, self.seq_lens)]
-        return torch.cat(parts).to(device if device is not None else self.slot_mapping.device)
+        return to_device(torch.cat(parts), device if device is not None else self.slot_mapping.device)
 
     @classmethod
     def build(
@@ -101,11 +102,11 @@ class AttentionMetadata:
                 mask = None
                 if query_len != seq_len:
                     q_pos = torch.arange(seq_len - query_len, seq_len)  # [query_len]
-                    mask = (pos[None, :] <= q_pos[:, None]).to(device)  # [query_len, seq_len]
-                chunks.append(ChunkPlan(row, query_len, key_slots.to(device), mask))
+                    mask = to_device(pos[None, :] <= q_pos[:, None], device)  # [query_len, seq_len]
+                chunks.append(ChunkPlan(row, query_len, to_device(key_slots, device), mask))
             row += query_len
-        slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)  # [N]
-        logits_indices = (torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1).to(device)  # [S]
+        slot_mapping = to_device(torch.tensor(slots, dtype=torch.long), device)  # [N]
+        logits_indices = to_device(torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1, device)  # [S]
         meta = cls(
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
@@ -116,15 +117,15 @@ class AttentionMetadata:
             chunks=chunks,
         )
         if decode_rows and plain_tensors:
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long).to(device)
+            meta.decode_rows = to_device(torch.tensor(decode_rows, dtype=torch.long), device)
             max_blocks = max(len(t) for t in decode_tables)
             # Padding points at a real block of the same sequence; those positions are masked out.
             padded = [t + [t[0]] * (max_blocks - len(t)) for t in decode_tables]
             tables = torch.tensor(padded, dtype=torch.long)  # [Sd, max_blocks]
             lens = torch.tensor(decode_lens, dtype=torch.long)  # [Sd]
             pos = torch.arange(max(decode_lens))  # [Kmax]
-            meta.decode_key_slots = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
-            meta.decode_key_mask = (pos[None, :] < lens[:, None]).to(device)  # [Sd, Kmax]
+            meta.decode_key_slots = to_device(tables[:, pos // block_size] * block_size + pos % block_size, device)
+            meta.decode_key_mask = to_device(pos[None, :] < lens[:, None], device)  # [Sd, Kmax]
         return meta
 
 

@@ -20,6 +20,7 @@ import torch
 
 from runtime.fast_forward import FastForward, StepInputs, max_blocks_for
 from runtime.kv_cache import KVCache
+from runtime.transfer import to_device
 
 if TYPE_CHECKING:
     from runtime.model_runner import RowFeed
@@ -265,9 +266,10 @@ class PrefillGraphRunner:
         )
 
     def _fill(self, n: int, bucket: int, seq_len: int) -> None:
-        self.seq_lens.copy_(torch.tensor([seq_len, bucket - n], dtype=torch.int32))
-        self.query_start.copy_(torch.tensor([0, n, bucket], dtype=torch.int32))
-        self.logits_indices.copy_(torch.tensor([n - 1, bucket - 1], dtype=torch.long))
+        dev = self.device
+        self.seq_lens.copy_(to_device(torch.tensor([seq_len, bucket - n], dtype=torch.int32), dev))
+        self.query_start.copy_(to_device(torch.tensor([0, n, bucket], dtype=torch.int32), dev))
+        self.logits_indices.copy_(to_device(torch.tensor([n - 1, bucket - 1], dtype=torch.long), dev))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -26,10 +26,11 @@ from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_f
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 from runtime.model_runner import ModelInput, ModelRunner, RowFeed
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, validate_request
-from runtime.sampling import LaunchedRows, RequestSampler, to_device
+from runtime.sampling import LaunchedRows, RequestSampler
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import PENDING_ROW, IncrementalDetokenizer, Sequence
 from runtime.tokenizer import Tokenizer
+from runtime.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ class StepRecord:
     """Where one engine step's wall time went (host clock, seconds).
 
     `forward_s` is the time to launch the forward pass (a graph replay returns at once);
-    `sample_s` includes waiting for the GPU to finish it, since sampling reads the ids back.
+    `sample_s` includes waiting for the GPU to finish it, since sampling reads the ids back. With
+    asynchronous steps a record is the step launched, and `sample_s` is the wait for the previous step's
+    ids, reading them and launching this step's sampling: the phases add up to the loop's period.
     """
 
     path: str  # the model runner's path: "graph", "prefill_graph", "fast" or "plain"
@@ -240,6 +243,7 @@ class EngineCore:
                                  else config.async_scheduling)
         self._in_flight: _InFlight | None = None  # asynchronous steps: the step whose rows are not read yet
         self.num_step_reruns = 0  # asynchronous steps run again (a row switched to text mode, or a redraw)
+        self._wait_s = 0.0  # the latest `wait_in_flight`
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -375,13 +379,17 @@ class EngineCore:
         this without their lock)."""
         in_flight = self._in_flight
         if in_flight is not None:
+            start = time.perf_counter()
             in_flight.rows.wait()
+            self._wait_s = time.perf_counter() - start
 
     def finish_step(self, launched: _Launched | None) -> list[tuple[str, Event]]:
         """Read the in-flight step's rows into their sequences (their events), run `launched` again if
         its inputs or its text head turn out wrong, then launch its sampling and count its rows as
         computed; it is the step in flight then."""
         begin = time.perf_counter()
+        if self._in_flight is None:
+            self._wait_s = 0.0
         events: list[tuple[str, Event]] = []
         fed_rows: list[Row] = []
         changed = False
@@ -421,7 +429,7 @@ class EngineCore:
         self.step_log.append(StepRecord(
             path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
             num_decode_seqs=sum(c.is_decode for c in out.chunks), schedule_s=launched.timing[0],
-            prepare_s=launched.timing[1], forward_s=launched.timing[2], sample_s=sampled - begin,
+            prepare_s=launched.timing[1], forward_s=launched.timing[2], sample_s=self._wait_s + sampled - begin,
             record_s=time.perf_counter() - sampled))
         return events
 

@@ -21,6 +21,7 @@ from runtime.fp8 import Fp8Weight, linear
 from runtime.fused import FusedWeights, LayerWeights
 from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.kv_cache import KVCache
+from runtime.transfer import to_device
 
 # decode steps with at most this many key partitions fuse the q/k RoPE into the attention kernel
 FUSED_ROPE_MAX_PARTS = 2
@@ -56,9 +57,9 @@ class StepInputs:
         return cls(
             tokens=tokens, is_audio=is_audio, positions=positions,
             slot_mapping=attn.slot_mapping.long(),
-            block_tables=tables.to(device),
-            seq_lens=torch.tensor(attn.seq_lens, dtype=torch.int32, device=device),
-            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            block_tables=to_device(tables, device),
+            seq_lens=to_device(torch.tensor(attn.seq_lens, dtype=torch.int32), device),
+            query_start=to_device(torch.tensor(starts, dtype=torch.int32), device),
             logits_indices=attn.logits_indices.long(),
             max_query_len=max(attn.query_lens),
             num_parts=num_parts,

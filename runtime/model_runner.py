@@ -22,9 +22,10 @@ from runtime.fused import FusedWeights
 from runtime.kv_cache import KVCache
 from runtime.modality import TEXT_MODE
 from runtime.model import MossSpeechForCausalLM, split_rows
-from runtime.sampling import LaunchedRows, RequestSampler, launch_next_rows, to_device
+from runtime.sampling import LaunchedRows, RequestSampler, launch_next_rows
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import PENDING_ROW
+from runtime.transfer import to_device
 
 # Decode steps for the graph runner keep their inputs on the host and move them in one copy
 # (`DecodeGraphRunner.run_host`); False: device tensors per input, as before (bench/engine_loop.py A/B).
@@ -143,11 +144,11 @@ class ModelRunner:
         attn = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_cache.block_size, device,
                                        plain_tensors=self.fast is None)
         return ModelInput(
-            tokens=tokens.to(device),
-            is_audio=is_audio.to(device),
+            tokens=to_device(tokens, device),
+            is_audio=to_device(is_audio, device),
             positions=attn.positions(device),
             attn=attn,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+            sample_indices=to_device(torch.tensor(sample_indices, dtype=torch.long), device),
             sample_request_ids=sample_request_ids,
             samplers=samplers,
             host_decode=host_decode,
@@ -235,15 +236,15 @@ class ModelRunner:
             )  # [S, W]
             seq_lens = torch.tensor(attn.seq_lens, dtype=torch.int32)  # [S]
             return self.graphs.run(
-                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, tables.to(self.device),
-                seq_lens.to(self.device), text=text,
+                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, to_device(tables, self.device),
+                to_device(seq_lens, self.device), text=text,
             )
         if (self.prefill_graphs is not None and batch == 1
                 and attn.query_lens[0] <= self.prefill_graphs.max_rows):
             self._took("prefill_graph")
             table = torch.tensor(attn.block_tables[0], dtype=torch.int32)  # [W]
             return self.prefill_graphs.run(
-                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, table.to(self.device), attn.seq_lens[0]
+                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, to_device(table, self.device), attn.seq_lens[0]
             )
         self._took("fast")
         self.num_audio_only_steps += not text

@@ -41,6 +41,7 @@ import torch
 
 from runtime.config import ENDOFTEXT_ID, EOSP_ID, IM_END_ID, MODALITY_PAD_ID, Row
 from runtime.modality import TEXT_MODE, Mode, apply_modality, is_output_code, next_mode, replay_mode
+from runtime.transfer import to_device
 
 _MAX_SEED = 2**64
 _MASK64 = 2**64 - 1
@@ -220,16 +221,6 @@ class RequestSampler:
         return row
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the GPU: through pinned memory, copied on the
-    current stream (PyTorch's pinned-memory cache keeps the block until that copy has run). A copy from
-    pageable memory waits for the stream to drain first, i.e. for the forward pass the sampler follows: the
-    sampling kernels could then only be launched after it, with the GPU idle meanwhile."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def is_stop_row(row: Row) -> bool:
     """Whether the row ends generation: its text token is IM_END or ENDOFTEXT (the row itself is output)."""
     return row[0] == IM_END_ID or row[0] == ENDOFTEXT_ID
@@ -393,9 +384,11 @@ def _penalise_channel(
         history.check_vocab(vocab_size)
     ids = [h.ids() for h in histories]
     rows = np.repeat(np.arange(num_seqs, dtype=np.int64), [len(i) for i in ids])
-    where = to_device(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), logits.device)  # [2, total]
-    seen = torch.zeros(num_seqs, vocab_size, dtype=torch.bool, device=logits.device)  # [S, V]
-    seen[where[0], where[1]] = True
+    where = to_device(torch.from_numpy(rows * vocab_size + np.concatenate(ids)), logits.device)  # [total] flat
+    # (index_fill_ takes the value as a kernel argument; `seen[rows, ids] = True` copies it from pageable
+    # memory, which waits for everything queued before it, the forward pass included)
+    seen = torch.zeros(num_seqs * vocab_size, dtype=torch.bool, device=logits.device).index_fill_(0, where, True)
+    seen = seen.view(num_seqs, vocab_size)  # [S, V]
     penalties = to_device(torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype), logits.device)
     return apply_repetition_penalty(logits, seen, penalties)
 
