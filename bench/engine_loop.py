@@ -196,6 +196,25 @@ def run_level(core: EngineCore, make_request: Any, concurrency: int, num_request
     }
 
 
+def indexed_penalty_mask(logits: torch.Tensor, histories: list[Any], params: list[Any]) -> torch.Tensor:
+    """`runtime.sampling._penalise_channel` as of commit cafc81d: the presence mask set by an indexed
+    assignment of True, which copies the value from pageable memory and so waits for the forward pass
+    before the sampler's kernels are launched ("legacy" in --async-steps)."""
+    import numpy as np
+
+    if all(p.repetition_penalty == 1.0 for p in params):
+        return logits
+    num_seqs, vocab_size = logits.shape
+    ids = [h.ids() for h in histories]
+    rows = np.repeat(np.arange(num_seqs, dtype=np.int64), [len(i) for i in ids])
+    where = runtime.sampling.to_device(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), logits.device)
+    seen = torch.zeros(num_seqs, vocab_size, dtype=torch.bool, device=logits.device)
+    seen[where[0], where[1]] = True
+    penalties = runtime.sampling.to_device(
+        torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype), logits.device)
+    return runtime.sampling.apply_repetition_penalty(logits, seen, penalties)
+
+
 def check_async_rows(core: EngineCore, make_request: Any, num_requests: int) -> dict[str, Any]:
     """The rows of `num_requests` seeded requests run together three times: synchronous steps twice, then
     asynchronous ones. The second and third runs see the same prefix-cache hits (the first fills the cache),
@@ -281,7 +300,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "runs every level once per entry in this process, with one --decode-inputs (an A/B; "
                         "default: the engine's); each level reports its full-sort redraws")
     p.add_argument("--async-steps", default=None,
-                   help="EngineCore.async_scheduling: on (launch step n+1 before reading step n's ids) or off; a comma "
+                   help="EngineCore.async_scheduling: on (launch step n+1 before reading step n's ids), off, or legacy "
+                        "(off, with the sampler's presence mask set as as of commit cafc81d, "
+                        "which waited for the forward pass: bench.engine_loop.indexed_penalty_mask); a comma "
                         "list runs every level once per entry in this process (an A/B; default: the engine's, on for "
                         "CUDA); one option of --decode-inputs, --tie-margins, --async-steps may list several")
     p.add_argument("--check-async", type=int, default=0,
@@ -313,8 +334,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     margins = [int(m) for m in args.tie_margins.split(",")] if args.tie_margins else [runtime.sampling.TOPK_TIE_MARGIN]
     steps = (["on" if core.async_scheduling else "off"] if args.async_steps is None
              else args.async_steps.split(","))
-    if any(a not in ("on", "off") for a in steps):
-        raise SystemExit(f"--async-steps: on or off, got {args.async_steps!r}")
+    if any(a not in ("on", "off", "legacy") for a in steps):
+        raise SystemExit(f"--async-steps: on, off or legacy, got {args.async_steps!r}")
     if sum(len(v) > 1 for v in (modes, margins, steps)) > 1:
         raise SystemExit("only one of --decode-inputs, --tie-margins, --async-steps may list several entries")
     runs = [(m, t, a) for m in modes for t in margins for a in steps]
@@ -337,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return speech_request(core.tokenizer, text, max_new_tokens=args.max_new_tokens,
                               min_new_tokens=args.max_new_tokens, seed=None, temperature=None)
 
+    penalise_channel = runtime.sampling._penalise_channel
     run_level(core, make_request, 1, 2)  # warm-up: first-use costs (allocator, kernels, caches)
     if args.check_async:
         check_text = speech_prompt_text(args.prompt_tokens, variant=10**6)
@@ -350,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runtime.model_runner.STAGED_DECODE_INPUTS = mode == "staged"
         runtime.sampling.TOPK_TIE_MARGIN = margin
         core.async_scheduling = async_steps == "on"  # (between levels nothing is in flight)
+        runtime.sampling._penalise_channel = indexed_penalty_mask if async_steps == "legacy" else penalise_channel
         for concurrency, count in zip(levels, counts, strict=True):
             redraws, reruns = runtime.sampling.num_full_sort_redraws, core.num_step_reruns
             level = {"decode_inputs": mode, "tie_margin": margin, "async_steps": async_steps,
