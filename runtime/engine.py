@@ -149,13 +149,13 @@ STEP_LOG_LEN = 4096  # steps kept in `EngineCore.step_log`
 
 @dataclass
 class _Launched:
-    """An asynchronous step whose forward is launched (`EngineCore.launch_step`)."""
+    """An asynchronous step scheduled and prepared (`EngineCore.schedule_step`), then launched (`launch`)."""
 
     out: SchedulerOutput
     inp: ModelInput
     logits: tuple[torch.Tensor | None, torch.Tensor] | None  # set by `EngineCore.launch`
     feed: RowFeed | None
-    timing: list[float]  # schedule_s, prepare_s, forward_s so far
+    timing: list[float]  # schedule_s, prepare_s, then forward_s once launched
     started: float  # perf_counter at its scheduling
 
 
@@ -163,7 +163,6 @@ class _Launched:
 class _InFlight:
     """An asynchronous step whose rows are sampled on the device and not read yet."""
 
-    launched: _Launched
     seqs: list[Sequence]  # the sequences sampled, in the order of `rows`
     rows: LaunchedRows
     index: dict[str, int]  # request id -> position in `seqs`
@@ -424,7 +423,7 @@ class EngineCore:
                 chunk.seq.num_decode_steps += 1
             else:
                 chunk.seq.prefill_s += step_s
-        self._in_flight = _InFlight(launched, sampling, rows, {s.request_id: i for i, s in enumerate(sampling)})
+        self._in_flight = _InFlight(sampling, rows, {s.request_id: i for i, s in enumerate(sampling)})
         out = launched.out
         self.step_log.append(StepRecord(
             path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
