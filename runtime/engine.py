@@ -168,6 +168,16 @@ class _InFlight:
     index: dict[str, int]  # request id -> position in `seqs`
 
 
+def _charge_step(out: SchedulerOutput, step_s: float) -> None:
+    """Add a step's wall time to each of its sequences' prefill or decode time."""
+    for chunk in out.chunks:
+        if chunk.is_decode:
+            chunk.seq.decode_s += step_s
+            chunk.seq.num_decode_steps += 1
+        else:
+            chunk.seq.prefill_s += step_s
+
+
 def default_seed(request_id: str) -> int:
     """Seed of a request that gives none: the first 8 bytes of sha256(request_id)."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
@@ -312,21 +322,12 @@ class EngineCore:
     def end_step(self, out: SchedulerOutput, sampled: dict[str, Row], step_s: float) -> list[tuple[str, Event]]:
         """Record the step's results and return the events they produce, in batch order."""
         start = time.perf_counter()
-        for chunk in out.chunks:
-            if chunk.is_decode:
-                chunk.seq.decode_s += step_s
-                chunk.seq.num_decode_steps += 1
-            else:
-                chunk.seq.prefill_s += step_s
+        _charge_step(out, step_s)
         events: list[tuple[str, Event]] = []
         for seq, row in self.scheduler.update(out, sampled):
             events += self._row_events(seq, row)
         if len(self._timing) == 4:
-            schedule_s, prepare_s, forward_s, sample_s = self._timing
-            self.step_log.append(StepRecord(
-                path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
-                num_decode_seqs=sum(c.is_decode for c in out.chunks), schedule_s=schedule_s, prepare_s=prepare_s,
-                forward_s=forward_s, sample_s=sample_s, record_s=time.perf_counter() - start))
+            self._log_step(out, *self._timing, time.perf_counter() - start)
         self._timing = []
         return events
 
@@ -410,26 +411,17 @@ class EngineCore:
             launched.logits = self.runner.forward(inp, feed)
             self.num_step_reruns += 1
         sampling = self.scheduler.advance(launched.out)  # the finished are left out
-        keep = [i for i, rid in enumerate(inp.sample_request_ids) if rid in self.scheduler.seqs]
-        assert [inp.sample_request_ids[i] for i in keep] == [seq.request_id for seq in sampling]
+        position = {rid: i for i, rid in enumerate(inp.sample_request_ids)}
+        keep = [position[seq.request_id] for seq in sampling]
         rows = self.runner.launch_sample(inp, launched.logits, keep, next_inputs=True)
         sampled = time.perf_counter()
         for seq in sampling:
             seq.append_row(PENDING_ROW)
-        step_s = time.perf_counter() - launched.started
-        for chunk in launched.out.chunks:
-            if chunk.is_decode:
-                chunk.seq.decode_s += step_s
-                chunk.seq.num_decode_steps += 1
-            else:
-                chunk.seq.prefill_s += step_s
+        _charge_step(launched.out, time.perf_counter() - launched.started)
         self._in_flight = _InFlight(sampling, rows, {s.request_id: i for i, s in enumerate(sampling)})
-        out = launched.out
-        self.step_log.append(StepRecord(
-            path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
-            num_decode_seqs=sum(c.is_decode for c in out.chunks), schedule_s=launched.timing[0],
-            prepare_s=launched.timing[1], forward_s=launched.timing[2], sample_s=self._wait_s + sampled - begin,
-            record_s=time.perf_counter() - sampled))
+        schedule_s, prepare_s, forward_s = launched.timing
+        self._log_step(launched.out, schedule_s, prepare_s, forward_s, self._wait_s + sampled - begin,
+                       time.perf_counter() - sampled)
         return events
 
     def _feed(self, inp: ModelInput) -> RowFeed | None:
@@ -472,6 +464,14 @@ class EngineCore:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def _log_step(self, out: SchedulerOutput, schedule_s: float, prepare_s: float, forward_s: float,
+                  sample_s: float, record_s: float) -> None:
+        """Append the step's StepRecord to `step_log`."""
+        self.step_log.append(StepRecord(
+            path=self.runner.last_path, num_seqs=len(out.chunks), num_rows=out.num_batched_tokens,
+            num_decode_seqs=sum(c.is_decode for c in out.chunks), schedule_s=schedule_s, prepare_s=prepare_s,
+            forward_s=forward_s, sample_s=sample_s, record_s=record_s))
 
     def _row_events(self, seq: Sequence, row: Row) -> list[tuple[str, Event]]:
         """The events of a row just accepted: its text, its audio code, the end."""

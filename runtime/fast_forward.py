@@ -27,6 +27,12 @@ from runtime.transfer import to_device
 FUSED_ROPE_MAX_PARTS = 2
 
 
+def padded_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """Block tables of unequal length as one host tensor [S, W] int32, zero-padded to the longest."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+
+
 @dataclass
 class StepInputs:
     """One step's flat batch as tensors; rows are grouped by sequence (see docs/contracts.md)."""
@@ -49,8 +55,7 @@ class StepInputs:
     ) -> StepInputs:
         """Build from the plain path's metadata (same step, same cache)."""
         device = attn.slot_mapping.device
-        width = max(len(t) for t in attn.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32)
+        tables = padded_block_tables(attn.block_tables)
         starts = [0]
         for q in attn.query_lens:
             starts.append(starts[-1] + q)

@@ -217,7 +217,7 @@ class ModelRunner:
         if self.fast is None or self.graphs is None:
             self._took("plain")
             return self.model(inp.tokens, inp.is_audio, inp.positions, self.kv_cache, attn)
-        from runtime.fast_forward import StepInputs
+        from runtime.fast_forward import StepInputs, padded_block_tables
 
         batch = len(attn.query_lens)
         text = not self.audio_only_steps or inp.needs_text_logits
@@ -230,13 +230,10 @@ class ModelRunner:
                     inp.tokens.numpy(), inp.is_audio.numpy(), inp.positions.numpy(), attn.slot_mapping.numpy(),
                     attn.block_tables, attn.seq_lens, text=text, feed=feed,
                 )
-            width = max(len(t) for t in attn.block_tables)
-            tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in attn.block_tables], dtype=torch.int32
-            )  # [S, W]
             seq_lens = torch.tensor(attn.seq_lens, dtype=torch.int32)  # [S]
             return self.graphs.run(
-                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, to_device(tables, self.device),
+                inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping,
+                to_device(padded_block_tables(attn.block_tables), self.device),
                 to_device(seq_lens, self.device), text=text,
             )
         if (self.prefill_graphs is not None and batch == 1
