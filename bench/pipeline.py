@@ -29,6 +29,7 @@ from bench.measure import (  # the repo root is on sys.path now
     LoopLag,
     RequestResult,
     closed_loop,
+    percentiles,
     plot_levels,
     requests_per_level,
     speech_prompt_text,
@@ -43,13 +44,15 @@ class Pipeline:
     """One engine and one batched vocoder, driven the way the deployments drive them."""
 
     def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, **batcher_options: Any) -> None:
-        """`batcher_options`: VocoderBatcher's `policy` / `urgent_buffer_s` / `background_max_streams`."""
+        """`batcher_options`: VocoderBatcher's `policy` / `urgent_buffer_s` / `background_max_streams` /
+        `step_code_budget`. Every vocoder call the batcher makes is kept in `steps` (kind, streams, s)."""
         from vocoder.config import SAMPLE_RATE
 
         self.engine = engine
         self.vocoder = vocoder
+        self.steps: list[tuple[str, int, float]] = []
         self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
-                                      **batcher_options)
+                                      on_step=lambda *step: self.steps.append(step), **batcher_options)
 
     def request(self, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                 temperature: float | None) -> Any:
@@ -131,7 +134,7 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
                         "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s", "vocoder_batching",
-                        "vocoder_background_max_streams")}
+                        "vocoder_background_max_streams", "vocoder_step_code_budget")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -158,7 +161,8 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     if args.device is not None:
         vocoder_kwargs["device"] = args.device
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
-    batcher_options = {k: vocoder_kwargs.pop(k) for k in ("urgent_buffer_s", "background_max_streams")
+    batcher_options = {k: vocoder_kwargs.pop(k)
+                       for k in ("urgent_buffer_s", "background_max_streams", "step_code_budget")
                        if k in vocoder_kwargs}
     if "batching" in vocoder_kwargs:
         batcher_options["policy"] = vocoder_kwargs.pop("batching")
@@ -191,17 +195,27 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
 
     out: list[dict[str, Any]] = []
     lag = LoopLag()
+    policies = args.policies.split(",") if args.policies else [pipeline.batcher.policy]
+    default_budget = pipeline.batcher.step_code_budget
     try:
         for concurrency, count in zip(levels, requests_per_level(levels, args.requests), strict=True):
-            if args.warmup:
-                await pipeline.closed_loop(make_request, concurrency, args.warmup)
-            lag.start()
-            results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s)
-            stats = pipeline.engine.stats()
-            out.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=args.ramp_s,
-                                 driver_loop_lag_s=lag.stop(),
-                                 engine_preemptions=stats.num_preemptions,
-                                 vocoder_steps=pipeline.batcher.num_steps))
+            for spec in policies:  # the same level under each batching policy, back to back
+                policy, _, budget = spec.partition(":")
+                pipeline.batcher.policy = policy
+                pipeline.batcher.step_code_budget = int(budget) if budget else default_budget
+                if args.warmup:
+                    await pipeline.closed_loop(make_request, concurrency, args.warmup)
+                lag.start()
+                del pipeline.steps[:]
+                results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s)
+                stats = pipeline.engine.stats()
+                out.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=args.ramp_s,
+                                     vocoder_batching=policy,
+                                     step_code_budget=pipeline.batcher.step_code_budget,
+                                     driver_loop_lag_s=lag.stop(),
+                                     engine_preemptions=stats.num_preemptions,
+                                     vocoder_steps=pipeline.batcher.num_steps,
+                                     vocoder_step_kinds=step_kinds(pipeline.steps)))
             summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")), levels=out)
             if args.out:
                 Path(args.out).write_text(json.dumps(summary) + "\n")
@@ -209,6 +223,17 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
         await pipeline.batcher.shutdown()
         await pipeline.engine.shutdown()
     return out
+
+
+def step_kinds(steps: list[tuple[str, int, float]]) -> dict[str, Any]:
+    """Per kind of vocoder call ("first", "fifo", "finish", ...): how many, streams per call and wall
+    seconds per call (percentiles)."""
+    kinds: dict[str, Any] = {}
+    for kind in sorted({k for k, _, _ in steps}):
+        mine = [(n, sec) for k, n, sec in steps if k == kind]
+        kinds[kind] = {"count": len(mine), "streams": percentiles([float(n) for n, _ in mine]),
+                       "seconds": percentiles([sec for _, sec in mine])}
+    return kinds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -228,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", default=None,
                    help="measured requests per level: N, or one per level (default max(8, 2 x concurrency))")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--policies", default=None,
+                   help="comma list of vocoder batching policies to run each level under, back to back; "
+                        "POLICY:N also sets the step code budget (default: the config's)")
     p.add_argument("--ramp-s", type=float, default=0.0,
                    help="spread the workers' first requests over this many seconds (0: a burst)")
     text = p.add_mutually_exclusive_group()
@@ -249,6 +277,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     requests_per_level(levels, args.requests)  # fail on a bad --requests before building anything
+    from deployments.batcher import POLICIES
+
+    for spec in args.policies.split(",") if args.policies else []:
+        policy, colon, budget = spec.partition(":")
+        if policy not in POLICIES or colon and not (budget.isdigit() and int(budget) >= 1):
+            raise SystemExit(f"--policies takes a comma list of POLICY or deadline:BUDGET with POLICY in "
+                             f"{POLICIES}, got {spec!r}")
     text = speech_prompt_text(args.prompt_tokens) if args.prompt_tokens else args.input
     summary: dict[str, Any] = {
         "benchmark": "inprocess_speech",

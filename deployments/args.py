@@ -74,8 +74,11 @@ class AppArgs(BaseModel):
     # last two kinds of step take at most `vocoder_background_max_streams` streams (None: max batch size).
     vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
     # "fifo": the earlier rule (every stream with codes pending in one step), kept for A/B runs.
-    vocoder_batching: Literal["buffer", "fifo"] = "buffer"
+    # "deadline": one chunk per stream per step; newcomers first, then the earliest playback deadline,
+    # streams of equal chunk size only, rows x chunk codes within `vocoder_step_code_budget`.
+    vocoder_batching: Literal["buffer", "fifo", "deadline"] = "buffer"
     vocoder_background_max_streams: int | None = Field(default=None, ge=1)
+    vocoder_step_code_budget: int = Field(default=256, ge=1)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
     # costs ~0.2-1 ms of CPU: one item per decode step per stream saturates a replica at a few thousand

@@ -16,6 +16,15 @@ to, the big chunks of streams that have audio in hand, and no step grows so long
 waits for it. Nothing is lost by waiting: a stream's PCM depends only on its codes.
 `policy="fifo"` is the earlier rule, kept for A/B runs: every stream with pending codes (up to
 `max_batch_size`, longest waiting first) in one step.
+
+`policy="deadline"` steps chunks, not codes: each step computes at most one chunk per stream
+(`StreamingVocoder.step(max_chunks=1)`), so its shape is one the warm-up captured however far the codes
+ran ahead. Newcomers with a first chunk ready go first, together. Otherwise the streams with a chunk ready
+are ordered by their listener's buffer (the earliest playback deadline first); the step takes the streams
+whose next chunk has the first one's size, in that order, while rows x chunk codes stays within
+`step_code_budget` (at least one stream; rows as the vocoder pads them, `bucket_rows`). A stream ends with a finish only once no scheduled chunk is
+left, and finishes are bounded the same way. So no step is padded to another stream's larger chunk and
+none grows past the budget: the wait of a newcomer's first chunk is bounded by one such step.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from typing import Any
 import numpy as np
 
 END = None  # put on a stream's queue after its last PCM chunk
-POLICIES = ("buffer", "fifo")
+POLICIES = ("buffer", "fifo", "deadline")
 
 
 class BatchedStream:
@@ -66,6 +75,7 @@ class VocoderBatcher:
 
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "buffer",
                  urgent_buffer_s: float = 0.5, background_max_streams: int | None = None,
+                 step_code_budget: int = 256,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -73,12 +83,15 @@ class VocoderBatcher:
             raise ValueError(f"urgent_buffer_s must be >= 0, got {urgent_buffer_s}")
         if background_max_streams is not None and background_max_streams < 1:
             raise ValueError(f"background_max_streams must be >= 1 or None, got {background_max_streams}")
+        if step_code_budget < 1:
+            raise ValueError(f"step_code_budget must be >= 1, got {step_code_budget}")
         self.vocoder = vocoder
         self.max_batch_size = max_batch_size
         self.sample_rate = sample_rate
         self.policy = policy
         self.urgent_buffer_s = urgent_buffer_s
         self.background_max_streams = min(background_max_streams or max_batch_size, max_batch_size)
+        self.step_code_budget = step_code_budget  # "deadline": rows x chunk codes per step
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "finish", streams, seconds)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._streams: list[BatchedStream] = []
@@ -163,19 +176,31 @@ class VocoderBatcher:
             for stream in ready:
                 stream.pending = []
             started = time.monotonic()
-            pcms = await self._call(self.vocoder.step, work)
+            if self.policy == "deadline":
+                pcms = await self._call(lambda: self.vocoder.step(work, max_chunks=1))
+            else:
+                pcms = await self._call(self.vocoder.step, work)
             self.num_steps += 1
             self._report(kind, len(work), started)
             for stream, pcm in zip(ready, pcms, strict=True):
                 self._deliver(stream, pcm)
             did_work = True
-        finishing = [s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
+        finishing = self._finishing(time.monotonic())
         if finishing:
+            # "deadline" finishes streams whose last codes were too few for a chunk: they go in first
+            last_codes = [(s.session, s.pending) for s in finishing if s.pending]
             for stream in finishing:
                 stream.is_closed = True
+                stream.pending = []
                 self._streams.remove(stream)
+
+            def finish() -> list[np.ndarray]:
+                if last_codes:
+                    self.vocoder.step(last_codes, max_chunks=1)  # computes nothing: no chunk is ready
+                return self.vocoder.finish_many([s.session for s in finishing])
+
             started = time.monotonic()
-            tails = await self._call(self.vocoder.finish_many, [s.session for s in finishing])
+            tails = await self._call(finish)
             self._report("finish", len(finishing), started)
             self.num_open_sessions -= len(finishing)
             for stream, tail in zip(finishing, tails, strict=True):
@@ -190,6 +215,8 @@ class VocoderBatcher:
         def order(s: BatchedStream) -> tuple[float, float]:
             return s.buffer_s(now, self.sample_rate), s.pending_since
 
+        if self.policy == "deadline":
+            return self._pick_deadline(now)
         ready = [s for s in self._streams if s.pending]
         if self.policy == "fifo":
             return ("fifo", sorted(ready, key=lambda s: s.pending_since)[: self.max_batch_size]) if ready else ("", [])
@@ -201,6 +228,49 @@ class VocoderBatcher:
             if streams:
                 return kind, sorted(streams, key=order)[: self.background_max_streams]
         return "", []
+
+    def _pick_deadline(self, now: float) -> tuple[str, list[BatchedStream]]:
+        """`pick` for policy "deadline" (module docstring)."""
+        sizes: dict[BatchedStream, int] = {}
+        for s in self._streams:
+            if size := self.vocoder.next_chunk_codes(s.session, len(s.pending)):
+                sizes[s] = size
+        fresh = [s for s in sizes if s.first_pcm_at is None]
+        if fresh:
+            return "first", sorted(fresh, key=lambda s: s.pending_since)[: self.max_batch_size]
+        if not sizes:
+            return "", []
+        ordered = sorted(sizes, key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
+        size = sizes[ordered[0]]
+        limit = self._rows_within_budget(size)
+        kind = "urgent" if ordered[0].buffer_s(now, self.sample_rate) < self.urgent_buffer_s else "background"
+        return kind, [s for s in ordered if sizes[s] == size][:limit]
+
+    def _finishing(self, now: float) -> list[BatchedStream]:
+        """Ended streams to finish now: those with no codes pending; for "deadline", those whose codes
+        (pending ones included) leave no scheduled chunk to compute: at most `max_batch_size`; for "deadline", the least buffered first while
+        rows x the largest tail's codes stays within `step_code_budget` (at least one)."""
+        if self.policy != "deadline":
+            return [s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
+        ended = sorted((s for s in self._streams
+                        if s.is_ended and not self.vocoder.next_chunk_codes(s.session, len(s.pending))),
+                       key=lambda s: s.buffer_s(now, self.sample_rate))
+        out: list[BatchedStream] = []
+        largest = 0
+        for s in ended[: self.max_batch_size]:
+            largest = max(largest, self.vocoder.unvocoded_codes(s.session, len(s.pending)))
+            if out and self.vocoder.bucket_rows(len(out) + 1) * largest > self.step_code_budget:
+                break
+            out.append(s)
+        return out
+
+    def _rows_within_budget(self, codes: int) -> int:
+        """Most streams (at least one, at most `max_batch_size`) whose step of `codes`-code chunks stays
+        within `step_code_budget` once the vocoder pads its rows (`StreamingVocoder.bucket_rows`)."""
+        rows = min(self.max_batch_size, self.step_code_budget // codes)
+        while rows > 1 and self.vocoder.bucket_rows(rows) * codes > self.step_code_budget:
+            rows -= 1
+        return max(1, rows)
 
     def _report(self, kind: str, num_streams: int, started: float) -> None:
         if self._on_step is not None:

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from runtime.transfer import to_device
 from vocoder.config import NUM_MELS
 
 _MASK32 = 0xFFFFFFFF
@@ -50,9 +51,9 @@ def batch_frame_noise(
     if len(seeds) != len(starts) or length < 0 or any(s < 0 for s in starts):
         raise ValueError("need one non-negative start per seed and a non-negative length")
     dev = torch.device(device)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=dev)  # [B]
+    seed_t = to_device(torch.tensor(seeds, dtype=torch.int64), dev)  # [B] (pinned: no wait for the device)
     key = _mix32(_mix32(seed_t & _MASK32) ^ (seed_t >> 32))[:, None, None]  # [B, 1, 1]
-    frames = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(
+    frames = to_device(torch.tensor(starts, dtype=torch.int64), dev)[:, None] + torch.arange(
         length, device=dev
     )  # [B, T]
     bins = torch.arange(NUM_MELS, dtype=torch.int64, device=dev)  # [M]

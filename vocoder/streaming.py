@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.kernels import pdl_launches, resolve_pdl
+from runtime.transfer import to_device
 from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
 from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, VocoderConfig
@@ -316,7 +317,7 @@ class StreamingVocoder:
             for v, (_, seed) in zip(voices, specs):
                 p = v.num_prompt_codes
                 mel_start = max(0, _F * p - self.left_context)
-                emb = v.speaker_embedding[None].to(self.device, self.dtype)
+                emb = to_device(v.speaker_embedding[None].to(self.dtype), self.device)
                 sessions.append(
                     VocoderSession(
                         voice=v,
@@ -398,7 +399,7 @@ class StreamingVocoder:
         """Sessions opened and not yet finished or closed."""
         return self.pool.num_used - (self._scratch_slot is not None)
 
-    def _bucket_rows(self, n: int) -> int:
+    def bucket_rows(self, n: int) -> int:
         """Batch rows a step runs with: n; with `bucket_shapes` the smallest of ROW_BUCKETS (then
         multiples of 64) that holds n, so few shapes are captured and padding stays under a third."""
         if not self._bucket_shapes:
@@ -420,14 +421,34 @@ class StreamingVocoder:
             return frames
         return next((w for w in self._window_buckets if w >= frames), frames)
 
-    def step(self, work: list[tuple[VocoderSession, Sequence[int]]]) -> list[np.ndarray]:
-        """Push codes to several sessions and run them as one batch; PCM per work item, in order."""
+    def step(
+        self, work: list[tuple[VocoderSession, Sequence[int]]], *, max_chunks: int | None = None
+    ) -> list[np.ndarray]:
+        """Push codes to several sessions and run them as one batch; PCM per work item, in order.
+
+        `max_chunks`: compute at most this many chunks per session (None: every chunk its codes allow).
+        The codes of the chunks left out stay in the session for a later step (with or without new codes),
+        so a scheduler can keep every step to one chunk per stream, in the shapes the warm-up captured;
+        the audio is the same either way (chunk boundaries depend on the code count alone).
+        """
+        if max_chunks is not None and max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1 or None, got {max_chunks}")
         self._check_sessions([s for s, _ in work])
         checked = [check_codes(codes) for _, codes in work]  # validate all before mutating any
         for (session, _), codes in zip(work, checked):
             session.codes.extend(codes)
             session.num_codes += len(codes)
-        return self._run([s for s, _ in work], finishing=False)
+        return self._run([s for s, _ in work], finishing=False, max_chunks=max_chunks)
+
+    def next_chunk_codes(self, session: VocoderSession, pending: int = 0) -> int:
+        """Codes the next chunk of `session` spans once `pending` more codes are pushed; 0 when that chunk
+        cannot be computed yet (its codes or their lookahead are missing). Pure: nothing changes."""
+        ends = self._chunk_ends(session, finishing=False, extra_codes=pending)
+        return _codes_covering(ends[0] - session.emitted_frames) if ends else 0
+
+    def unvocoded_codes(self, session: VocoderSession, pending: int = 0) -> int:
+        """Codes pushed (plus `pending`) whose audio has not been computed: what a finish would vocode now."""
+        return session.num_codes + pending - _codes_covering(session.emitted_frames)
 
     def decode_whole(self, voice: str, codes: Sequence[int], *, seed: int = 0) -> np.ndarray:
         """Reference: the whole utterance in one pass (no caches, no windows)."""
@@ -472,11 +493,12 @@ class StreamingVocoder:
             self._voice_mel[voice.name] = kept
         return kept[1]
 
-    def _chunk_ends(self, s: VocoderSession, finishing: bool) -> list[int]:
-        """Absolute frames at which the chunks this step computes end, in order (empty: nothing yet)."""
+    def _chunk_ends(self, s: VocoderSession, finishing: bool, extra_codes: int = 0) -> list[int]:
+        """Absolute frames at which the chunks this step computes end, in order (empty: nothing yet);
+        `extra_codes`: as if that many more codes had been pushed."""
         if finishing:
             return [_F * s.num_codes] if _F * s.num_codes > s.emitted_frames else []
-        final_frames = _F * max(0, s.num_codes - LOOKAHEAD_CODES)
+        final_frames = _F * max(0, s.num_codes + extra_codes - LOOKAHEAD_CODES)
         stream = self.config.stream
         if self.is_low_latency:
             return scheduled_chunk_ends(
@@ -486,8 +508,10 @@ class StreamingVocoder:
         need = stream.first_chunk_codes if s.is_first_chunk_pending else stream.chunk_codes
         return [target] if target - s.emitted_frames >= _F * need else []
 
-    def _run(self, sessions: list[VocoderSession], finishing: bool) -> list[np.ndarray]:
-        plans = [self._chunk_ends(s, finishing) for s in sessions]
+    def _run(
+        self, sessions: list[VocoderSession], finishing: bool, max_chunks: int | None = None
+    ) -> list[np.ndarray]:
+        plans = [self._chunk_ends(s, finishing)[:max_chunks] for s in sessions]
         ready = [i for i, ends in enumerate(plans) if ends]
         out = [_EMPTY] * len(sessions)
         if not ready:
@@ -534,21 +558,22 @@ class StreamingVocoder:
         # codes past target + lookahead cannot change frames before the target: left out of the window
         windows = [s.codes[w - s.codes_start : t + LOOKAHEAD_CODES - s.codes_start] for (s, t), w in zip(work, starts)]
         n_max = self._bucket_codes(max(len(w) for w in windows))
-        rows = self._bucket_rows(len(work))  # padding rows: code 0, all valid, output unused
+        rows = self.bucket_rows(len(work))  # padding rows: code 0, all valid, output unused
         codes_np = np.zeros((rows, n_max), dtype=np.int64)
         for row, w in enumerate(windows):
             codes_np[row, : len(w)] = w
-        codes = torch.from_numpy(codes_np)
+        # Host inputs go through pinned memory (runtime.transfer.to_device): a pageable copy would wait for
+        # the device to drain first (and in one process with the engine, for its queued steps too).
+        codes = to_device(torch.from_numpy(codes_np), self.device)
         lengths = [len(w) for w in windows] + [n_max] * (rows - len(work))
-        num_valid = torch.tensor(lengths, device=self.device)
-        mu_all = self._encode(codes.to(self.device), num_valid)[: len(work)]  # [B, 80, 4 * n_max]
+        num_valid = to_device(torch.tensor(lengths), self.device)
+        mu_all = self._encode(codes, num_valid)[: len(work)]  # [B, 80, 4 * n_max]
 
         new_frames = [_F * (t - s.flow_cursor) for s, t in work]
         t_max = _F * self._bucket_codes(max(new_frames) // _F)
         # Row b's new frames sit at mu_all[b, :, 4 * (cursor_b - start_b) + j]; padding rows repeat the last.
-        offsets = torch.tensor(
-            [_F * (s.flow_cursor - w) for (s, _), w in zip(work, starts)], device=self.device
-        )
+        offsets = to_device(torch.tensor([_F * (s.flow_cursor - w) for (s, _), w in zip(work, starts)]),
+                            self.device)
         idx = (offsets[:, None] + torch.arange(t_max, device=self.device)).clamp(max=mu_all.shape[2] - 1)
         mu = torch.gather(mu_all, 2, idx[:, None, :].expand(-1, mu_all.shape[1], -1))  # [B, 80, T]
         cond = torch.zeros_like(mu)
@@ -560,12 +585,12 @@ class StreamingVocoder:
         seeds = [s.seed for s, _ in work]
         noise = batch_frame_noise(seeds, [_F * s.flow_cursor for s, _ in work], t_max, device=self.device)
         speaker = torch.stack([s.speaker for s, _ in work])  # [B, 80]
-        slots = torch.tensor([s.slot for s, _ in work], device=self.device)
-        valid = torch.tensor(new_frames, device=self.device)
+        slots = to_device(torch.tensor([s.slot for s, _ in work]), self.device)
+        valid = to_device(torch.tensor(new_frames), self.device)
         if self._graphed and self.pool.generation != self._graph_pool_generation:
             self._graphed[1].reset()  # the pool grew: graphs read its old tensors
             self._graph_pool_generation = self.pool.generation
-        pad = self._bucket_rows(len(work)) - len(work)
+        pad = self.bucket_rows(len(work)) - len(work)
         if pad:  # rows of zeros on the scratch slot, so the batch keeps a captured shape
             mu, cond, noise = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (mu, cond, noise))
             speaker = torch.cat([speaker, speaker.new_zeros(pad, speaker.shape[1])])
@@ -624,7 +649,7 @@ class StreamingVocoder:
             t_max = max(rows[r][4] - rows[r][3] for r in batch)
             if free and batch is batches[0]:  # left padding is free here: round up to a known window
                 t_max = self._bucket_window(t_max)
-            size = self._bucket_rows(len(batch))  # rows past the batch are silence, dropped
+            size = self.bucket_rows(len(batch))  # rows past the batch are silence, dropped
             mel = torch.zeros(size, sessions[0].mel.shape[0], t_max, device=self.device)  # [B, 80, T]
             for row, r in enumerate(batch):
                 s, (_, _, _, start, stop) = sessions[rows[r][0]], rows[r]

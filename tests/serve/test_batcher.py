@@ -153,8 +153,9 @@ def test_urgent_streams_step_alone_and_background_steps_are_bounded() -> None:
 
 
 def test_batcher_options_are_validated() -> None:
-    for kwargs in ({"urgent_buffer_s": -1.0}, {"background_max_streams": 0}, {"policy": "edf"}):
-        with pytest.raises(ValueError, match="urgent_buffer_s|background_max_streams|policy"):
+    for kwargs in ({"urgent_buffer_s": -1.0}, {"background_max_streams": 0}, {"policy": "edf"},
+                   {"step_code_budget": 0}):
+        with pytest.raises(ValueError, match="urgent_buffer_s|background_max_streams|policy|step_code_budget"):
             VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000, **kwargs)
     assert VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000,
                           background_max_streams=9).background_max_streams == 4
@@ -178,3 +179,170 @@ def test_close_closes_the_session_and_drops_its_output() -> None:
         await batcher.shutdown()
 
     asyncio.run(main())
+
+
+class ChunkVocoder(RecordingVocoder):
+    """A double that computes scheduled chunks: chunk k spans SCHEDULE[min(k, -1)] codes and can be computed
+    once LOOKAHEAD codes follow it; `finish_many` emits the rest. SAMPLES per code, valued as the code."""
+
+    SCHEDULE = (2, 3, 5)
+    pad_rows = False  # True: steps pad their rows to a power of two, as bucketed graphs do
+
+    def _next(self, session: Session, pending: int) -> int:
+        size = self.SCHEDULE[min(session.chunks, len(self.SCHEDULE) - 1)]
+        return size if session.emitted + size + LOOKAHEAD <= len(session.codes) + pending else 0
+
+    def open(self, voice: str, *, seed: int = 0) -> Session:
+        session = super().open(voice, seed=seed)
+        session.chunks = 0
+        return session
+
+    def next_chunk_codes(self, session: Session, pending: int = 0) -> int:
+        return self._next(session, pending)
+
+    def unvocoded_codes(self, session: Session, pending: int = 0) -> int:
+        return len(session.codes) + pending - session.emitted
+
+    def bucket_rows(self, n: int) -> int:
+        return 1 << (n - 1).bit_length() if self.pad_rows else n
+
+    def step(self, work: list[tuple[Session, Sequence[int]]], *, max_chunks: int | None = None) -> list[np.ndarray]:
+        self.steps.append([(s.name, list(codes)) for s, codes in work])
+        outs = []
+        for session, codes in work:
+            session.codes.extend(codes)
+            start, chunks = session.emitted, 0
+            while (size := self._next(session, 0)) and (max_chunks is None or chunks < max_chunks):
+                session.emitted += size
+                session.chunks += 1
+                chunks += 1
+            upto, session.emitted = session.emitted, start
+            outs.append(self._emit(session, upto))
+        return outs
+
+
+def test_deadline_steps_one_chunk_per_stream_and_finishes_after_the_last_chunk() -> None:
+    async def main() -> None:
+        vocoder = ChunkVocoder()
+        kinds: list[tuple[str, int]] = []
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline",
+                                 on_step=lambda kind, n, seconds: kinds.append((kind, n)))
+        a = await batcher.open("v", seed=1)
+        b = await batcher.open("v", seed=2)
+        batcher.push(a, list(range(12)))  # chunks [0, 2), [2, 5), [5, 10); codes 10, 11 at finish
+        batcher.push(b, list(range(20, 25)))  # chunk [0, 2); codes 2..4 at finish
+        c = await batcher.open("v", seed=3)
+        batcher.push(c, [40, 41, 42])  # too few for a chunk: all at finish
+        for stream in (a, b, c):
+            batcher.end(stream)
+        out_a, out_b, out_c = await asyncio.gather(drain(a.out), drain(b.out), drain(c.out))
+        assert vocoder.steps == [[("v-1", list(range(12))), ("v-2", list(range(20, 25)))],
+                                 [("v-3", [40, 41, 42])],  # c's codes go in just before its finish
+                                 [("v-1", [])], [("v-1", [])]]
+        assert kinds == [("first", 2), ("finish", 2), ("urgent", 1), ("urgent", 1), ("finish", 1)]
+        assert vocoder.finished == ["v-3", "v-2", "v-1"]  # no audio yet (c) before a little (b)
+        assert out_a == [float(c) for c in range(12) for _ in range(SAMPLES)]
+        assert out_b == [float(c) for c in range(20, 25) for _ in range(SAMPLES)]
+        assert out_c == [float(c) for c in (40, 41, 42) for _ in range(SAMPLES)]
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_deadline_pick_takes_newcomers_then_equal_chunks_by_deadline_within_the_budget() -> None:
+    async def main() -> None:
+        vocoder = ChunkVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=128, policy="deadline",
+                                 urgent_buffer_s=0.5, step_code_budget=10)
+        s = {name: await batcher.open("v", seed=i) for i, name in enumerate("xbcdeg")}
+        now = 1024.0
+        # (first audio at, samples at 128 Hz, codes in the session, chunks done): next chunk 2, 3, 5, 5, ...
+        setup = {"x": (None, 0, 3, 0), "b": (now - 1.0, 160, 7, 1), "c": (now - 1.0, 384, 7, 1),
+                 "d": (now - 1.0, 256, 12, 2), "e": (now - 1.0, 224, 7, 1), "g": (now - 1.0, 64, 6, 1)}
+        for name, (at, samples, num_codes, chunks) in setup.items():
+            stream = s[name]
+            stream.first_pcm_at, stream.num_samples = at, samples
+            session = stream.session
+            session.codes, session.chunks = list(range(num_codes)), chunks
+            session.emitted = sum(ChunkVocoder.SCHEDULE[min(k, 2)] for k in range(chunks))
+        # x lacks a code for its first chunk, g one for its second. Buffers: b 0.25, e 0.75, d 1.0 (a 5-code
+        # chunk), c 2.0: the 3-code chunks by deadline, 10 // 3 of them.
+        assert batcher.pick(now) == ("urgent", [s["b"], s["e"], s["c"]])
+        batcher.push(s["x"], [7])
+        assert batcher.pick(now) == ("first", [s["x"]])  # a newcomer goes first, though b is more urgent
+        s["x"].pending = []
+        batcher.step_code_budget = 6
+        assert batcher.pick(now) == ("urgent", [s["b"], s["e"]])
+        batcher.step_code_budget = 10
+        vocoder.pad_rows = True  # 3 rows would run as 4: 4 x 3 > 10
+        assert batcher.pick(now) == ("urgent", [s["b"], s["e"]])
+        vocoder.pad_rows = False
+        batcher.step_code_budget = 2  # smaller than one chunk: still one stream per step
+        assert batcher.pick(now) == ("urgent", [s["b"]])
+        for name in "bce":
+            s[name].session.emitted, s[name].session.chunks = 5, 2  # their next chunks now wait for codes
+        assert batcher.pick(now) == ("background", [s["d"]])  # buffer 1.0 >= 0.5
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_deadline_finishes_wait_for_the_last_chunk_and_stay_within_the_budget() -> None:
+    async def main() -> None:
+        batcher = VocoderBatcher(ChunkVocoder(), max_batch_size=8, sample_rate=128, policy="deadline",
+                                 step_code_budget=10)
+        streams = [await batcher.open("v", seed=i) for i in range(4)]
+        # (codes, codes emitted, chunks done): s0's first chunk is ready (2 + 2 <= 4); the others' 3-code
+        # chunks are not (2 + 3 + 2 > codes), so their tails are 2, 3 and 4 codes.
+        for i, (num_codes, emitted, chunks) in enumerate(((4, 0, 0), (4, 2, 1), (5, 2, 1), (6, 2, 1))):
+            stream = streams[i]
+            stream.session.codes, stream.session.emitted, stream.session.chunks = list(range(num_codes)), emitted, chunks
+            stream.first_pcm_at, stream.num_samples = 0.0, 128 * i  # buffers -1, 0, 1, 2 at now = 1
+            batcher.end(stream)
+        # least buffered first while rows x the largest tail <= 10: 2 x 3 fits, 3 x 4 does not
+        assert batcher._finishing(1.0) == streams[1:3]
+        batcher.step_code_budget = 1  # under one tail: still one finish per round
+        assert batcher._finishing(1.0) == streams[1:2]
+        batcher.policy = "fifo"  # the other policies finish every ended stream with nothing pending
+        assert batcher._finishing(1.0) == streams
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_deadline_on_the_tiny_vocoder_gives_fifos_audio() -> None:
+    """The real StreamingVocoder through the batcher: codes arriving in bursts, three streams; "deadline"
+    steps chunk by chunk, and each stream's PCM equals what "fifo" gives for the same codes."""
+    from vocoder import SAMPLES_PER_CODE, StreamingVocoder
+
+    voc = StreamingVocoder.from_preset("tiny")
+    rng = np.random.default_rng(5)
+    utterances = [rng.integers(0, 16384, n).tolist() for n in (31, 9, 4)]
+
+    async def run(policy: str) -> tuple[list[np.ndarray], list[str]]:
+        kinds: list[str] = []
+        batcher = VocoderBatcher(voc, max_batch_size=8, sample_rate=24000, policy=policy, step_code_budget=12,
+                                 on_step=lambda kind, n, seconds: kinds.append(kind))
+        streams = [await batcher.open("default", seed=i) for i in range(len(utterances))]
+        for stream, codes in zip(streams, utterances, strict=True):
+            batcher.push(stream, codes[:20])
+        pcm = [[] for _ in streams]
+        for item in [await streams[0].out.get()]:  # the first chunk is out: the rest arrives in one burst
+            pcm[0].append(item)
+        batcher.push(streams[0], utterances[0][20:])
+        for stream in streams:
+            batcher.end(stream)
+        for i, stream in enumerate(streams):
+            while (item := await stream.out.get()) is not END:
+                pcm[i].append(item)
+        await batcher.shutdown()
+        return [np.concatenate(p) for p in pcm], kinds
+
+    fifo, fifo_kinds = asyncio.run(run("fifo"))
+    deadline, kinds = asyncio.run(run("deadline"))
+    for codes, a, b in zip(utterances, fifo, deadline, strict=True):
+        assert len(a) == len(b) == len(codes) * SAMPLES_PER_CODE
+        assert float(np.abs(a - b).max()) < 1e-5
+    assert set(fifo_kinds) == {"fifo", "finish"}
+    assert kinds[0] == "first" and {"first", "urgent", "finish"} <= set(kinds)
+    assert voc.num_open_sessions == 0

@@ -77,6 +77,36 @@ def test_flow_stops_at_the_last_chunk_end_whatever_the_push_size(vocoder: Stream
         vocoder.close(session)
 
 
+def test_one_chunk_per_step_gives_the_same_audio(
+    vocoder: StreamingVocoder, codes: list[int], by_one: list[np.ndarray]
+) -> None:
+    """All 30 codes pushed at once, then steps of `max_chunks=1` without new codes: the schedule's chunks
+    leave one per step, `next_chunk_codes` names each before it is computed, and the audio is by_one's."""
+    session = vocoder.open("default", seed=SEED)
+    try:
+        assert vocoder.next_chunk_codes(session) == 0 and vocoder.next_chunk_codes(session, pending=4) == 0
+        assert vocoder.next_chunk_codes(session, pending=5) == 2  # chunk [0, 2) once 2 + 3 codes are in
+        announced, sizes = [], []
+        pcm = [vocoder.step([(session, codes)], max_chunks=1)[0]]
+        sizes.append(len(pcm[-1]))
+        while (n := vocoder.next_chunk_codes(session)) > 0:
+            announced.append(n)
+            pcm.append(vocoder.step([(session, [])], max_chunks=1)[0])
+            sizes.append(len(pcm[-1]))
+        assert announced == [3, 5, 10]  # after the first: the rest of the schedule that fits in 30 - 3
+        assert sizes == [2 * SAMPLES_PER_CODE - OVERLAP, 3 * SAMPLES_PER_CODE, 5 * SAMPLES_PER_CODE,
+                         10 * SAMPLES_PER_CODE]
+        assert vocoder.unvocoded_codes(session) == NUM_CODES - CHUNK_ENDS[-1]
+        assert vocoder.unvocoded_codes(session, pending=4) == NUM_CODES - CHUNK_ENDS[-1] + 4
+        pcm.append(vocoder.finish(session))
+    finally:
+        vocoder.close(session)
+    assert len(pcm[-1]) == 10 * SAMPLES_PER_CODE + OVERLAP
+    assert float(np.abs(np.concatenate(pcm) - np.concatenate(by_one)).max()) < SAME
+    with pytest.raises(ValueError, match="max_chunks"):
+        vocoder.step([], max_chunks=0)
+
+
 def test_close_to_whole_and_exact_outside_crossfades(by_one: list[np.ndarray], reference: np.ndarray) -> None:
     pcm = np.concatenate(by_one)
     assert pcm.shape == reference.shape and np.isfinite(pcm).all()
