@@ -19,12 +19,13 @@ waits for it. Nothing is lost by waiting: a stream's PCM depends only on its cod
 
 `policy="deadline"` steps chunks, not codes: each step computes at most one chunk per stream
 (`StreamingVocoder.step(max_chunks=1)`), so its shape is one the warm-up captured however far the codes
-ran ahead. Newcomers with a first chunk ready go first, together. Otherwise the streams with a chunk ready
-are ordered by their listener's buffer (the earliest playback deadline first); the step takes the streams
-whose next chunk has the first one's size, in that order, while rows x chunk codes stays within
-`step_code_budget` (at least one stream; rows as the vocoder pads them, `bucket_rows`). A stream ends with a finish only once no scheduled chunk is
-left, and finishes are bounded the same way. So no step is padded to another stream's larger chunk and
-none grows past the budget: the wait of a newcomer's first chunk is bounded by one such step.
+ran ahead. Streams with a chunk ready are taken in deadline order: newcomers (no audio yet, longest
+waiting first), then the others by their listener's buffer (least first). Each joins the step while its
+padded size, rows (as the vocoder pads them, `bucket_rows`) x the largest chunk's codes, stays within
+`step_code_budget`; one that does not fit is passed over for smaller chunks further down, and the first
+always goes. A stream ends with a finish only once no scheduled chunk is left, and finishes are bounded
+the same way. So no step grows past the budget (a newcomer waits for at most one such step) while the
+steady streams' chunks share the steps that newcomers need anyway.
 """
 from __future__ import annotations
 
@@ -235,16 +236,25 @@ class VocoderBatcher:
         for s in self._streams:
             if size := self.vocoder.next_chunk_codes(s.session, len(s.pending)):
                 sizes[s] = size
-        fresh = [s for s in sizes if s.first_pcm_at is None]
-        if fresh:
-            return "first", sorted(fresh, key=lambda s: s.pending_since)[: self.max_batch_size]
         if not sizes:
             return "", []
-        ordered = sorted(sizes, key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
-        size = sizes[ordered[0]]
-        limit = self._rows_within_budget(size)
-        kind = "urgent" if ordered[0].buffer_s(now, self.sample_rate) < self.urgent_buffer_s else "background"
-        return kind, [s for s in ordered if sizes[s] == size][:limit]
+        fresh = sorted((s for s in sizes if s.first_pcm_at is None), key=lambda s: s.pending_since)
+        playing = sorted((s for s in sizes if s.first_pcm_at is not None),
+                         key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
+        picked: list[BatchedStream] = []
+        largest = 0
+        for s in fresh + playing:
+            if len(picked) == self.max_batch_size:
+                break
+            codes = max(largest, sizes[s])  # the step pads every chunk to its largest
+            if picked and self.vocoder.bucket_rows(len(picked) + 1) * codes > self.step_code_budget:
+                continue  # a smaller chunk further down may still fit
+            picked.append(s)
+            largest = codes
+        head = picked[0]
+        if head.first_pcm_at is None:
+            return "first", picked
+        return ("urgent" if head.buffer_s(now, self.sample_rate) < self.urgent_buffer_s else "background"), picked
 
     def _finishing(self, now: float) -> list[BatchedStream]:
         """Ended streams to finish now: those with no codes pending; for "deadline", those whose codes
@@ -263,14 +273,6 @@ class VocoderBatcher:
                 break
             out.append(s)
         return out
-
-    def _rows_within_budget(self, codes: int) -> int:
-        """Most streams (at least one, at most `max_batch_size`) whose step of `codes`-code chunks stays
-        within `step_code_budget` once the vocoder pads its rows (`StreamingVocoder.bucket_rows`)."""
-        rows = min(self.max_batch_size, self.step_code_budget // codes)
-        while rows > 1 and self.vocoder.bucket_rows(rows) * codes > self.step_code_budget:
-            rows -= 1
-        return max(1, rows)
 
     def _report(self, kind: str, num_streams: int, started: float) -> None:
         if self._on_step is not None:

@@ -249,7 +249,7 @@ def test_deadline_steps_one_chunk_per_stream_and_finishes_after_the_last_chunk()
     asyncio.run(main())
 
 
-def test_deadline_pick_takes_newcomers_then_equal_chunks_by_deadline_within_the_budget() -> None:
+def test_deadline_pick_takes_newcomers_then_deadlines_while_the_padded_step_fits_the_budget() -> None:
     async def main() -> None:
         vocoder = ChunkVocoder()
         batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=128, policy="deadline",
@@ -265,19 +265,21 @@ def test_deadline_pick_takes_newcomers_then_equal_chunks_by_deadline_within_the_
             session = stream.session
             session.codes, session.chunks = list(range(num_codes)), chunks
             session.emitted = sum(ChunkVocoder.SCHEDULE[min(k, 2)] for k in range(chunks))
-        # x lacks a code for its first chunk, g one for its second. Buffers: b 0.25, e 0.75, d 1.0 (a 5-code
-        # chunk), c 2.0: the 3-code chunks by deadline, 10 // 3 of them.
+        # x lacks a code for its first chunk, g one for its second. By buffer: b 0.25 (3 codes), e 0.75 (3),
+        # d 1.0 (5), c 2.0 (3). b, e fit (2 x 3); d would make 3 x 5 > 10, so it is passed over; c fits (3 x 3).
         assert batcher.pick(now) == ("urgent", [s["b"], s["e"], s["c"]])
-        batcher.push(s["x"], [7])
-        assert batcher.pick(now) == ("first", [s["x"]])  # a newcomer goes first, though b is more urgent
+        batcher.push(s["x"], [7])  # a newcomer goes first, though b is more urgent; then b, e (3 x 3)
+        assert batcher.pick(now) == ("first", [s["x"], s["b"], s["e"]])
         s["x"].pending = []
+        batcher.step_code_budget = 20  # d's 5-code chunk joins and pads the others: 4 x 5
+        assert batcher.pick(now) == ("urgent", [s["b"], s["e"], s["d"], s["c"]])
         batcher.step_code_budget = 6
         assert batcher.pick(now) == ("urgent", [s["b"], s["e"]])
         batcher.step_code_budget = 10
         vocoder.pad_rows = True  # 3 rows would run as 4: 4 x 3 > 10
         assert batcher.pick(now) == ("urgent", [s["b"], s["e"]])
         vocoder.pad_rows = False
-        batcher.step_code_budget = 2  # smaller than one chunk: still one stream per step
+        batcher.step_code_budget = 2  # smaller than one chunk: the first stream still goes, alone
         assert batcher.pick(now) == ("urgent", [s["b"]])
         for name in "bce":
             s[name].session.emitted, s[name].session.chunks = 5, 2  # their next chunks now wait for codes
