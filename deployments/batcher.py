@@ -23,9 +23,10 @@ ran ahead. Streams with a chunk ready are taken in deadline order: newcomers (no
 waiting first), then the others by their listener's buffer (least first). Each joins the step while its
 padded size, rows (as the vocoder pads them, `bucket_rows`) x the largest chunk's codes, stays within
 `step_code_budget`; one that does not fit is passed over for smaller chunks further down, and the first
-always goes. A stream ends with a finish only once no scheduled chunk is left, and finishes are bounded
-the same way. So no step grows past the budget (a newcomer waits for at most one such step) while the
-steady streams' chunks share the steps that newcomers need anyway.
+always goes. A stream whose codes have all arrived and whose scheduled chunks are all computed ends in
+such a step too (`step(finish=...)`: its tail is one more chunk, of its unvocoded codes), not in a call of
+its own. So no step grows past the budget (a newcomer waits for at most one such step), and the steady
+streams' chunks and ends share the steps that newcomers need anyway.
 """
 from __future__ import annotations
 
@@ -173,35 +174,35 @@ class VocoderBatcher:
             did_work = True
         kind, ready = self.pick(time.monotonic())
         if ready:
+            # "deadline" ends a stream inside a step: its last codes, then the rest of its audio
+            ending = [s for s in ready if self._ends_now(s)] if self.policy == "deadline" else []
             work = [(s.session, s.pending) for s in ready]
             for stream in ready:
                 stream.pending = []
+            for stream in ending:
+                stream.is_closed = True
+                self._streams.remove(stream)
             started = time.monotonic()
             if self.policy == "deadline":
-                pcms = await self._call(lambda: self.vocoder.step(work, max_chunks=1))
+                last = [s.session for s in ending]
+                pcms = await self._call(lambda: self.vocoder.step(work, max_chunks=1, finish=last))
             else:
                 pcms = await self._call(self.vocoder.step, work)
             self.num_steps += 1
             self._report(kind, len(work), started)
+            self.num_open_sessions -= len(ending)
             for stream, pcm in zip(ready, pcms, strict=True):
                 self._deliver(stream, pcm)
+            for stream in ending:
+                stream.out.put_nowait(END)
             did_work = True
-        finishing = self._finishing(time.monotonic())
-        if finishing:
-            # "deadline" finishes streams whose last codes were too few for a chunk: they go in first
-            last_codes = [(s.session, s.pending) for s in finishing if s.pending]
+        finishing = [s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
+        if finishing and self.policy != "deadline":
             for stream in finishing:
                 stream.is_closed = True
-                stream.pending = []
                 self._streams.remove(stream)
-
-            def finish() -> list[np.ndarray]:
-                if last_codes:
-                    self.vocoder.step(last_codes, max_chunks=1)  # computes nothing: no chunk is ready
-                return self.vocoder.finish_many([s.session for s in finishing])
-
             started = time.monotonic()
-            tails = await self._call(finish)
+            tails = await self._call(self.vocoder.finish_many, [s.session for s in finishing])
             self._report("finish", len(finishing), started)
             self.num_open_sessions -= len(finishing)
             for stream, tail in zip(finishing, tails, strict=True):
@@ -209,6 +210,10 @@ class VocoderBatcher:
                 stream.out.put_nowait(END)
             did_work = True
         return did_work
+
+    def _ends_now(self, stream: BatchedStream) -> bool:
+        """"deadline": the stream has no more codes coming and none of its scheduled chunks is left."""
+        return stream.is_ended and not self.vocoder.next_chunk_codes(stream.session, len(stream.pending))
 
     def pick(self, now: float) -> tuple[str, list[BatchedStream]]:
         """(kind, streams) the next step advances (see the module docstring); ("", []) when no stream has
@@ -232,10 +237,12 @@ class VocoderBatcher:
 
     def _pick_deadline(self, now: float) -> tuple[str, list[BatchedStream]]:
         """`pick` for policy "deadline" (module docstring)."""
-        sizes: dict[BatchedStream, int] = {}
+        sizes: dict[BatchedStream, int] = {}  # codes of the chunk each stream would compute
         for s in self._streams:
             if size := self.vocoder.next_chunk_codes(s.session, len(s.pending)):
                 sizes[s] = size
+            elif s.is_ended:  # its end: the codes not yet vocoded (at least 1: it still has to close)
+                sizes[s] = max(1, self.vocoder.unvocoded_codes(s.session, len(s.pending)))
         if not sizes:
             return "", []
         fresh = sorted((s for s in sizes if s.first_pcm_at is None), key=lambda s: s.pending_since)
@@ -255,24 +262,6 @@ class VocoderBatcher:
         if head.first_pcm_at is None:
             return "first", picked
         return ("urgent" if head.buffer_s(now, self.sample_rate) < self.urgent_buffer_s else "background"), picked
-
-    def _finishing(self, now: float) -> list[BatchedStream]:
-        """Ended streams to finish now: those with no codes pending; for "deadline", those whose codes
-        (pending ones included) leave no scheduled chunk to compute: at most `max_batch_size`; for "deadline", the least buffered first while
-        rows x the largest tail's codes stays within `step_code_budget` (at least one)."""
-        if self.policy != "deadline":
-            return [s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
-        ended = sorted((s for s in self._streams
-                        if s.is_ended and not self.vocoder.next_chunk_codes(s.session, len(s.pending))),
-                       key=lambda s: s.buffer_s(now, self.sample_rate))
-        out: list[BatchedStream] = []
-        largest = 0
-        for s in ended[: self.max_batch_size]:
-            largest = max(largest, self.vocoder.unvocoded_codes(s.session, len(s.pending)))
-            if out and self.vocoder.bucket_rows(len(out) + 1) * largest > self.step_code_budget:
-                break
-            out.append(s)
-        return out
 
     def _report(self, kind: str, num_streams: int, started: float) -> None:
         if self._on_step is not None:

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -372,7 +372,7 @@ class StreamingVocoder:
     def finish_many(self, sessions: Sequence[VocoderSession]) -> list[np.ndarray]:
         """Batched `finish` (extension of the contract)."""
         self._check_sessions(sessions)
-        out = self._run(list(sessions), finishing=True)
+        out = self._run(list(sessions), finishing=[True] * len(sessions))
         for s in sessions:
             self.close(s)
         return out
@@ -422,7 +422,11 @@ class StreamingVocoder:
         return next((w for w in self._window_buckets if w >= frames), frames)
 
     def step(
-        self, work: list[tuple[VocoderSession, Sequence[int]]], *, max_chunks: int | None = None
+        self,
+        work: list[tuple[VocoderSession, Sequence[int]]],
+        *,
+        max_chunks: int | None = None,
+        finish: Collection[VocoderSession] = (),
     ) -> list[np.ndarray]:
         """Push codes to several sessions and run them as one batch; PCM per work item, in order.
 
@@ -430,15 +434,26 @@ class StreamingVocoder:
         The codes of the chunks left out stay in the session for a later step (with or without new codes),
         so a scheduler can keep every step to one chunk per stream, in the shapes the warm-up captured;
         the audio is the same either way (chunk boundaries depend on the code count alone).
+        `finish`: sessions of `work` whose stream ends here: their PCM is the rest of the stream (as
+        `finish` gives it, after their codes are pushed) and they are closed, in the same batch as the
+        others' chunks instead of a call of their own.
         """
         if max_chunks is not None and max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1 or None, got {max_chunks}")
-        self._check_sessions([s for s, _ in work])
+        sessions = [s for s, _ in work]
+        self._check_sessions(sessions)
+        if any(all(f is not s for s in sessions) for f in finish):
+            raise ValueError("finish names a session that is not in work")
         checked = [check_codes(codes) for _, codes in work]  # validate all before mutating any
         for (session, _), codes in zip(work, checked):
             session.codes.extend(codes)
             session.num_codes += len(codes)
-        return self._run([s for s, _ in work], finishing=False, max_chunks=max_chunks)
+        ending = [any(f is s for f in finish) for s in sessions]
+        out = self._run(sessions, finishing=ending, max_chunks=max_chunks)
+        for s, ends in zip(sessions, ending):
+            if ends:
+                self.close(s)
+        return out
 
     def next_chunk_codes(self, session: VocoderSession, pending: int = 0) -> int:
         """Codes the next chunk of `session` spans once `pending` more codes are pushed; 0 when that chunk
@@ -509,9 +524,11 @@ class StreamingVocoder:
         return [target] if target - s.emitted_frames >= _F * need else []
 
     def _run(
-        self, sessions: list[VocoderSession], finishing: bool, max_chunks: int | None = None
+        self, sessions: list[VocoderSession], finishing: list[bool], max_chunks: int | None = None
     ) -> list[np.ndarray]:
-        plans = [self._chunk_ends(s, finishing)[:max_chunks] for s in sessions]
+        """Chunks of `sessions` (all the rest of the stream where `finishing`) in one batch."""
+        plans = [self._chunk_ends(s, True) if ends else self._chunk_ends(s, False)[:max_chunks]
+                 for s, ends in zip(sessions, finishing)]
         ready = [i for i, ends in enumerate(plans) if ends]
         out = [_EMPTY] * len(sessions)
         if not ready:
@@ -521,7 +538,7 @@ class StreamingVocoder:
             # it could: its shapes then follow the chunk schedule whatever the pushes' sizes were (the
             # warm-up's shapes), and the codes past that end wait for the next chunk. Same mel either way.
             flow_targets = [
-                sessions[i].num_codes if finishing
+                sessions[i].num_codes if finishing[i]
                 else min(sessions[i].num_codes - LOOKAHEAD_CODES, _codes_covering(plans[i][-1] + self.right_context))
                 for i in ready
             ]

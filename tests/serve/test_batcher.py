@@ -206,11 +206,18 @@ class ChunkVocoder(RecordingVocoder):
     def bucket_rows(self, n: int) -> int:
         return 1 << (n - 1).bit_length() if self.pad_rows else n
 
-    def step(self, work: list[tuple[Session, Sequence[int]]], *, max_chunks: int | None = None) -> list[np.ndarray]:
+    def step(self, work: list[tuple[Session, Sequence[int]]], *, max_chunks: int | None = None,
+             finish: Sequence[Session] = ()) -> list[np.ndarray]:
         self.steps.append([(s.name, list(codes)) for s, codes in work])
         outs = []
         for session, codes in work:
+            assert not session.closed
             session.codes.extend(codes)
+            if session in finish:  # the rest of the stream, then closed
+                session.closed = True
+                self.finished.append(session.name)
+                outs.append(self._emit(session, len(session.codes)))
+                continue
             start, chunks = session.emitted, 0
             while (size := self._next(session, 0)) and (max_chunks is None or chunks < max_chunks):
                 session.emitted += size
@@ -221,29 +228,29 @@ class ChunkVocoder(RecordingVocoder):
         return outs
 
 
-def test_deadline_steps_one_chunk_per_stream_and_finishes_after_the_last_chunk() -> None:
+def test_deadline_steps_one_chunk_per_stream_and_ends_streams_inside_steps() -> None:
     async def main() -> None:
         vocoder = ChunkVocoder()
         kinds: list[tuple[str, int]] = []
         batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline",
                                  on_step=lambda kind, n, seconds: kinds.append((kind, n)))
-        a = await batcher.open("v", seed=1)
-        b = await batcher.open("v", seed=2)
-        batcher.push(a, list(range(12)))  # chunks [0, 2), [2, 5), [5, 10); codes 10, 11 at finish
-        batcher.push(b, list(range(20, 25)))  # chunk [0, 2); codes 2..4 at finish
-        c = await batcher.open("v", seed=3)
-        batcher.push(c, [40, 41, 42])  # too few for a chunk: all at finish
+        a, b, c = [await batcher.open("v", seed=i) for i in (1, 2, 3)]
+        batcher.push(a, list(range(12)))  # chunks [0, 2), [2, 5), [5, 10); codes 10, 11 at the end
+        batcher.push(b, list(range(20, 25)))  # chunk [0, 2); codes 2..4 at the end
+        batcher.push(c, [40, 41, 42])  # too few for a chunk: its end is its only chunk
         for stream in (a, b, c):
             batcher.end(stream)
         out_a, out_b, out_c = await asyncio.gather(drain(a.out), drain(b.out), drain(c.out))
-        assert vocoder.steps == [[("v-1", list(range(12))), ("v-2", list(range(20, 25)))],
-                                 [("v-3", [40, 41, 42])],  # c's codes go in just before its finish
-                                 [("v-1", [])], [("v-1", [])]]
-        assert kinds == [("first", 2), ("finish", 2), ("urgent", 1), ("urgent", 1), ("finish", 1)]
-        assert vocoder.finished == ["v-3", "v-2", "v-1"]  # no audio yet (c) before a little (b)
+        # 1: every first chunk and c's end; 2: a's second chunk and b's end (its next chunk needs 7 codes);
+        # 3: a's third chunk; 4: a's end. No call of finish_many.
+        assert vocoder.steps == [[("v-1", list(range(12))), ("v-2", list(range(20, 25))), ("v-3", [40, 41, 42])],
+                                 [("v-1", []), ("v-2", [])], [("v-1", [])], [("v-1", [])]]
+        assert kinds == [("first", 3), ("urgent", 2), ("urgent", 1), ("urgent", 1)]
+        assert vocoder.finished == ["v-3", "v-2", "v-1"]
         assert out_a == [float(c) for c in range(12) for _ in range(SAMPLES)]
         assert out_b == [float(c) for c in range(20, 25) for _ in range(SAMPLES)]
         assert out_c == [float(c) for c in (40, 41, 42) for _ in range(SAMPLES)]
+        assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
         await batcher.shutdown()
 
     asyncio.run(main())
@@ -289,24 +296,23 @@ def test_deadline_pick_takes_newcomers_then_deadlines_while_the_padded_step_fits
     asyncio.run(main())
 
 
-def test_deadline_finishes_wait_for_the_last_chunk_and_stay_within_the_budget() -> None:
+def test_deadline_ends_a_stream_after_its_last_chunk_as_a_chunk_of_its_unvocoded_codes() -> None:
     async def main() -> None:
         batcher = VocoderBatcher(ChunkVocoder(), max_batch_size=8, sample_rate=128, policy="deadline",
                                  step_code_budget=10)
         streams = [await batcher.open("v", seed=i) for i in range(4)]
         # (codes, codes emitted, chunks done): s0's first chunk is ready (2 + 2 <= 4); the others' 3-code
-        # chunks are not (2 + 3 + 2 > codes), so their tails are 2, 3 and 4 codes.
+        # chunks are not (2 + 3 + 2 > codes), so their ends are chunks of 2, 3 and 4 codes.
         for i, (num_codes, emitted, chunks) in enumerate(((4, 0, 0), (4, 2, 1), (5, 2, 1), (6, 2, 1))):
             stream = streams[i]
             stream.session.codes, stream.session.emitted, stream.session.chunks = list(range(num_codes)), emitted, chunks
             stream.first_pcm_at, stream.num_samples = 0.0, 128 * i  # buffers -1, 0, 1, 2 at now = 1
             batcher.end(stream)
-        # least buffered first while rows x the largest tail <= 10: 2 x 3 fits, 3 x 4 does not
-        assert batcher._finishing(1.0) == streams[1:3]
-        batcher.step_code_budget = 1  # under one tail: still one finish per round
-        assert batcher._finishing(1.0) == streams[1:2]
-        batcher.policy = "fifo"  # the other policies finish every ended stream with nothing pending
-        assert batcher._finishing(1.0) == streams
+        assert [batcher._ends_now(s) for s in streams] == [False, True, True, True]
+        # by buffer: s0 (2 codes), s1 (2), s2 (3: 3 x 3 <= 10); s3's 4 would make 4 x 4 > 10
+        assert batcher.pick(1.0) == ("urgent", streams[:3])
+        streams[1].pending = [9, 9, 9]  # pending codes count: its 3-code chunk is ready now (2 + 3 + 2 <= 7)
+        assert not batcher._ends_now(streams[1])
         await batcher.shutdown()
 
     asyncio.run(main())
@@ -346,5 +352,5 @@ def test_deadline_on_the_tiny_vocoder_gives_fifos_audio() -> None:
         assert len(a) == len(b) == len(codes) * SAMPLES_PER_CODE
         assert float(np.abs(a - b).max()) < 1e-5
     assert set(fifo_kinds) == {"fifo", "finish"}
-    assert kinds[0] == "first" and {"first", "urgent", "finish"} <= set(kinds)
+    assert kinds[0] == "first" and "finish" not in kinds and "urgent" in kinds
     assert voc.num_open_sessions == 0

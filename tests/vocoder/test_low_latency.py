@@ -107,6 +107,32 @@ def test_one_chunk_per_step_gives_the_same_audio(
         vocoder.step([], max_chunks=0)
 
 
+def test_a_stream_can_finish_in_the_step_of_another_streams_chunk(
+    vocoder: StreamingVocoder, codes: list[int], by_one: list[np.ndarray]
+) -> None:
+    """`step(finish=[b])`: b's codes go in and the rest of its stream comes out, batched with a's chunk;
+    both streams' audio equals what separate calls give, and b is closed."""
+    other = np.random.default_rng(3).integers(0, 16384, 12).tolist()
+    ref = vocoder.open("default", seed=99)
+    ref_pcm = [vocoder.push(ref, other[:9]), vocoder.push(ref, other[9:]), vocoder.finish(ref)]
+    assert len(ref_pcm[1]) == 0  # 12 codes: the chunk [5, 10) waits for 13
+
+    a, b = vocoder.open_many([("default", SEED), ("default", 99)])
+    a_pcm = [vocoder.step([(a, codes[:8])], max_chunks=1)[0]]  # chunk [0, 2)
+    b_pcm = [vocoder.push(b, other[:9])]
+    with pytest.raises(ValueError, match="not in work"):
+        vocoder.step([(a, [])], finish=[b])
+    both = vocoder.step([(a, []), (b, other[9:])], max_chunks=1, finish=[b])  # a: chunk [2, 5); b: its end
+    a_pcm.append(both[0])
+    b_pcm.append(both[1])
+    assert b.is_closed and not a.is_closed
+    assert [len(x) for x in both] == [3 * SAMPLES_PER_CODE, 7 * SAMPLES_PER_CODE + OVERLAP]
+    assert float(np.abs(np.concatenate(b_pcm) - np.concatenate(ref_pcm)).max()) < SAME
+    a_pcm.append(vocoder.push(a, codes[8:]))
+    a_pcm.append(vocoder.finish(a))
+    assert float(np.abs(np.concatenate(a_pcm) - np.concatenate(by_one)).max()) < SAME
+
+
 def test_close_to_whole_and_exact_outside_crossfades(by_one: list[np.ndarray], reference: np.ndarray) -> None:
     pcm = np.concatenate(by_one)
     assert pcm.shape == reference.shape and np.isfinite(pcm).all()
