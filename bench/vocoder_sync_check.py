@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import traceback
 import warnings
@@ -53,7 +54,7 @@ def main() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(pcm) + len(tail) > 0 and np.isfinite(pcm).all() and np.isfinite(tail).all()
-    print(json.dumps({"preset": args.preset, "device": torch.cuda.get_device_name(),
+    print(json.dumps({"command": shlex.join(["python3", *sys.argv]), "preset": args.preset, "device": torch.cuda.get_device_name(),
                       "samples": [len(pcm), len(tail)],
                       "waits": {k: dict(v) for k, v in sites.items()},
                       "num_waits": {k: sum(v.values()) for k, v in sites.items()}}))

@@ -69,16 +69,14 @@ class AppArgs(BaseModel):
     vocoder_triton_kernels: bool | None = None
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
-    # Vocoder scheduling (deployments/batcher.py): streams with no audio yet step first, on their own; then
-    # streams whose listener has less than `vocoder_urgent_buffer_s` of audio buffered; then the rest. The
-    # last two kinds of step take at most `vocoder_background_max_streams` streams (None: max batch size).
-    vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
-    # "fifo": the earlier rule (every stream with codes pending in one step), kept for A/B runs.
-    # "deadline": one chunk per stream per step; newcomers first, then the earliest playback deadline,
-    # streams of equal chunk size only, rows x chunk codes within `vocoder_step_code_budget`.
-    vocoder_batching: Literal["buffer", "fifo", "deadline"] = "buffer"
-    vocoder_background_max_streams: int | None = Field(default=None, ge=1)
+    # Vocoder scheduling (deployments/batcher.py). "deadline": one chunk per stream per step, newcomers
+    # first, then the least buffered listeners, each joining while rows x the largest chunk's codes stays
+    # within `vocoder_step_code_budget`; streams end inside those steps. A step whose first stream has less
+    # than `vocoder_urgent_buffer_s` of audio buffered is reported as "urgent". "fifo": the earlier rule
+    # (every stream with codes pending in one step), kept for A/B runs.
+    vocoder_batching: Literal["deadline", "fifo"] = "deadline"
     vocoder_step_code_budget: int = Field(default=256, ge=1)
+    vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
     # costs ~0.2-1 ms of CPU: one item per decode step per stream saturates a replica at a few thousand

@@ -4,29 +4,25 @@ Pure asyncio (no Ray), so it is unit-tested directly. Every vocoder call (open, 
 close) runs on one worker thread, in submission order: the vocoder never sees two calls at once, and
 the replica's event loop stays free to move bytes while a step computes.
 
-Codes that arrive while a step is running accumulate in their stream's `pending` list and go into the
-next step together, so a slow step is followed by a bigger one instead of a queue of small ones.
-
-Which streams a round steps is decided by what their listeners have buffered (`BatchedStream.buffer_s`:
-audio delivered minus time since the first chunk), in three classes, the first non-empty one per round:
-"first" (no audio yet: up to `max_batch_size` newcomers, longest waiting first), "urgent" (less than
-`urgent_buffer_s` buffered) and "background" (the rest), the last two least buffered first and at most
-`background_max_streams` per step. A newcomer's first chunk therefore never queues behind, nor is padded
-to, the big chunks of streams that have audio in hand, and no step grows so long that the next newcomer
-waits for it. Nothing is lost by waiting: a stream's PCM depends only on its codes.
-`policy="fifo"` is the earlier rule, kept for A/B runs: every stream with pending codes (up to
-`max_batch_size`, longest waiting first) in one step.
-
-`policy="deadline"` steps chunks, not codes: each step computes at most one chunk per stream
+Policy "deadline" (the default) steps chunks, not codes: each step computes at most one chunk per stream
 (`StreamingVocoder.step(max_chunks=1)`), so its shape is one the warm-up captured however far the codes
-ran ahead. Streams with a chunk ready are taken in deadline order: newcomers (no audio yet, longest
-waiting first), then the others by their listener's buffer (least first). Each joins the step while its
-padded size, rows (as the vocoder pads them, `bucket_rows`) x the largest chunk's codes, stays within
-`step_code_budget`; one that does not fit is passed over for smaller chunks further down, and the first
-always goes. A stream whose codes have all arrived and whose scheduled chunks are all computed ends in
-such a step too (`step(finish=...)`: its tail is one more chunk, of its unvocoded codes), not in a call of
-its own. So no step grows past the budget (a newcomer waits for at most one such step), and the steady
-streams' chunks and ends share the steps that newcomers need anyway.
+ran ahead; codes that arrive while a step runs wait in their stream's `pending` list. Streams with a
+chunk ready are taken in deadline order: newcomers (no audio yet, longest waiting first), then the
+others by their listener's buffer (`BatchedStream.buffer_s`: audio delivered minus time since the first
+chunk; least first). Each joins the step while its padded size, rows (as the vocoder pads them,
+`bucket_rows`) x the largest chunk's codes, stays within `step_code_budget`; one that does not fit is
+passed over for smaller chunks further down, and the first always goes. A stream whose codes have all
+arrived and whose scheduled chunks are all computed ends in such a step too (`step(finish=...)`: its
+tail is one more chunk, of its unvocoded codes), not in a call of its own. So no step grows past the
+budget (a newcomer waits for at most one such step), and the steady streams' chunks and ends share the
+steps that newcomers need anyway. A step is reported as "first" when it leads with a newcomer, else
+"urgent" (its first stream has less than `urgent_buffer_s` buffered) or "background". Nothing is lost
+by waiting: a stream's PCM depends only on its codes.
+
+Policy "fifo" is the earlier rule, kept for A/B runs: every stream with pending codes (up to
+`max_batch_size`, longest waiting first) in one step, as many chunks as its codes allow, and ended streams
+in a `finish_many` call after it. (A third rule, "buffer": newcomers, then urgent, then the rest in
+separate steps, lost to fifo in bench/results/e2e-h200-batching-ab/ and was removed.)
 """
 from __future__ import annotations
 
@@ -40,7 +36,7 @@ from typing import Any
 import numpy as np
 
 END = None  # put on a stream's queue after its last PCM chunk
-POLICIES = ("buffer", "fifo", "deadline")
+POLICIES = ("deadline", "fifo")
 
 
 class BatchedStream:
@@ -75,16 +71,13 @@ class BatchedStream:
 class VocoderBatcher:
     """Owns the vocoder's worker thread and the batching loop of one replica."""
 
-    def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "buffer",
-                 urgent_buffer_s: float = 0.5, background_max_streams: int | None = None,
-                 step_code_budget: int = 256,
+    def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "deadline",
+                 urgent_buffer_s: float = 0.5, step_code_budget: int = 256,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not urgent_buffer_s >= 0:
             raise ValueError(f"urgent_buffer_s must be >= 0, got {urgent_buffer_s}")
-        if background_max_streams is not None and background_max_streams < 1:
-            raise ValueError(f"background_max_streams must be >= 1 or None, got {background_max_streams}")
         if step_code_budget < 1:
             raise ValueError(f"step_code_budget must be >= 1, got {step_code_budget}")
         self.vocoder = vocoder
@@ -92,9 +85,8 @@ class VocoderBatcher:
         self.sample_rate = sample_rate
         self.policy = policy
         self.urgent_buffer_s = urgent_buffer_s
-        self.background_max_streams = min(background_max_streams or max_batch_size, max_batch_size)
         self.step_code_budget = step_code_budget  # "deadline": rows x chunk codes per step
-        self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "finish", streams, seconds)
+        self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "fifo" | "finish", streams, s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._streams: list[BatchedStream] = []
         self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
@@ -216,24 +208,11 @@ class VocoderBatcher:
         return stream.is_ended and not self.vocoder.next_chunk_codes(stream.session, len(stream.pending))
 
     def pick(self, now: float) -> tuple[str, list[BatchedStream]]:
-        """(kind, streams) the next step advances (see the module docstring); ("", []) when no stream has
-        pending codes."""
-        def order(s: BatchedStream) -> tuple[float, float]:
-            return s.buffer_s(now, self.sample_rate), s.pending_since
-
+        """(kind, streams) the next step advances (see the module docstring); ("", []) when none."""
         if self.policy == "deadline":
             return self._pick_deadline(now)
-        ready = [s for s in self._streams if s.pending]
-        if self.policy == "fifo":
-            return ("fifo", sorted(ready, key=lambda s: s.pending_since)[: self.max_batch_size]) if ready else ("", [])
-        fresh = [s for s in ready if s.first_pcm_at is None]
-        if fresh:
-            return "first", sorted(fresh, key=order)[: self.max_batch_size]
-        urgent = [s for s in ready if s.buffer_s(now, self.sample_rate) < self.urgent_buffer_s]
-        for kind, streams in (("urgent", urgent), ("background", ready)):
-            if streams:
-                return kind, sorted(streams, key=order)[: self.background_max_streams]
-        return "", []
+        ready = sorted((s for s in self._streams if s.pending), key=lambda s: s.pending_since)
+        return ("fifo", ready[: self.max_batch_size]) if ready else ("", [])
 
     def _pick_deadline(self, now: float) -> tuple[str, list[BatchedStream]]:
         """`pick` for policy "deadline" (module docstring)."""

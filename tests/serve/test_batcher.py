@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,11 +72,11 @@ async def drain(queue: asyncio.Queue) -> list[float]:
     return values
 
 
-def test_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -> None:
+def test_fifo_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -> None:
     async def main() -> None:
         vocoder = RecordingVocoder()
         sizes: list[tuple[str, int]] = []
-        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000,
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="fifo",
                                  on_step=lambda kind, n, seconds: sizes.append((kind, n)))
         a = await batcher.open("default", seed=1)
         b = await batcher.open("default", seed=2)
@@ -88,7 +87,7 @@ def test_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -
         batcher.end(a)
         out_a, out_b = await asyncio.gather(drain(a.out), drain(b.out))
         assert vocoder.steps == [[("default-1", [1, 2, 3, 4]), ("default-2", [7])]]
-        assert sizes == [("first", 2), ("finish", 2)]  # no audio yet
+        assert sizes == [("fifo", 2), ("finish", 2)]
         assert out_a == [1.0] * 4 + [2.0] * 4 + [3.0] * 4 + [4.0] * 4
         assert out_b == [7.0] * 4
         assert (a.num_codes, a.num_samples, b.num_samples) == (4, 16, 4)
@@ -99,10 +98,10 @@ def test_streams_with_pending_codes_share_one_step_and_get_all_their_samples() -
     asyncio.run(main())
 
 
-def test_max_batch_size_takes_the_longest_waiting_streams_first() -> None:
+def test_fifo_max_batch_size_takes_the_longest_waiting_streams_first() -> None:
     async def main() -> None:
         vocoder = RecordingVocoder()
-        batcher = VocoderBatcher(vocoder, max_batch_size=2, sample_rate=24000)
+        batcher = VocoderBatcher(vocoder, max_batch_size=2, sample_rate=24000, policy="fifo")
         streams = [await batcher.open("v", seed=i) for i in range(3)]
         for index, stream in enumerate(streams):
             batcher.push(stream, [index])
@@ -114,57 +113,17 @@ def test_max_batch_size_takes_the_longest_waiting_streams_first() -> None:
     asyncio.run(main())
 
 
-def test_urgent_streams_step_alone_and_background_steps_are_bounded() -> None:
-    """`pick` at a fixed clock: listeners' buffers decide who goes into the next step."""
-    async def main() -> None:
-        batcher = VocoderBatcher(RecordingVocoder(), max_batch_size=3, sample_rate=128, urgent_buffer_s=0.5,
-                                 background_max_streams=2)
-        s = {name: await batcher.open("v", seed=i) for i, name in enumerate("abcdefg")}
-        now = 1024.0
-        # (first audio at, samples delivered at 128 Hz, codes pending since): buffer = samples/128 - (now - at)
-        setup = {"a": (None, 0, 5.0), "b": (now - 1.0, 160, 1.0), "c": (now - 1.0, 384, 0.0),
-                 "d": (now - 1.0, 256, 2.0), "e": (now - 1.0, 224, 3.0), "f": (None, 0, 4.0),
-                 "g": (now - 1.0, 64, None)}
-        for name, (at, samples, since) in setup.items():
-            stream = s[name]
-            stream.first_pcm_at, stream.num_samples = at, samples
-            if since is not None:
-                batcher.push(stream, [1])
-                stream.pending_since = since
-        assert s["b"].buffer_s(now, 128) == 0.25 and s["a"].buffer_s(now, 128) == -math.inf
-        assert s["g"].lag_s(now, 128) == 0.5  # no codes pending: not stepped, though it lags
-        kind, streams = batcher.pick(now)  # no audio yet: longest waiting first
-        assert (kind, [x.session.name for x in streams]) == ("first", ["v-5", "v-0"])
-        s["a"].pending, s["f"].pending = [], []
-        kind, streams = batcher.pick(now)
-        assert (kind, [x.session.name for x in streams]) == ("urgent", ["v-1"])
-        s["b"].pending = []
-        kind, streams = batcher.pick(now)  # buffers 2.0 (c), 1.0 (d), 0.75 (e): the 2 least buffered
-        assert (kind, [x.session.name for x in streams]) == ("background", ["v-4", "v-3"])
-        batcher.policy = "fifo"  # the earlier rule: everyone pending, longest waiting first
-        kind, streams = batcher.pick(now)
-        assert (kind, [x.session.name for x in streams]) == ("fifo", ["v-2", "v-3", "v-4"])
-        batcher.policy = "buffer"
-        s["c"].pending, s["d"].pending, s["e"].pending = [], [], []
-        assert batcher.pick(now) == ("", [])
-        await batcher.shutdown()
-
-    asyncio.run(main())
-
-
 def test_batcher_options_are_validated() -> None:
-    for kwargs in ({"urgent_buffer_s": -1.0}, {"background_max_streams": 0}, {"policy": "edf"},
-                   {"step_code_budget": 0}):
-        with pytest.raises(ValueError, match="urgent_buffer_s|background_max_streams|policy|step_code_budget"):
+    for kwargs in ({"urgent_buffer_s": -1.0}, {"policy": "buffer"}, {"step_code_budget": 0}):
+        with pytest.raises(ValueError, match="urgent_buffer_s|policy|step_code_budget"):
             VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000, **kwargs)
-    assert VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000,
-                          background_max_streams=9).background_max_streams == 4
+    assert VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000).policy == "deadline"
 
 
 def test_close_closes_the_session_and_drops_its_output() -> None:
     async def main() -> None:
         vocoder = RecordingVocoder()
-        batcher = VocoderBatcher(vocoder, max_batch_size=4, sample_rate=24000)
+        batcher = VocoderBatcher(vocoder, max_batch_size=4, sample_rate=24000, policy="fifo")
         kept = await batcher.open("v", seed=0)
         dropped = await batcher.open("v", seed=9)
         batcher.push(dropped, [5, 5, 5, 5])
