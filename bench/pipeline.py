@@ -44,7 +44,8 @@ class Pipeline:
     """One engine and one batched vocoder, driven the way the deployments drive them."""
 
     def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, **batcher_options: Any) -> None:
-        """`batcher_options`: VocoderBatcher's `policy` / `urgent_buffer_s` / `step_code_budget`. Every vocoder call the batcher makes is kept in `steps` (kind, streams, s)."""
+        """`batcher_options`: VocoderBatcher's `policy` / `urgent_buffer_s` / `step_code_budget`. Every
+        vocoder call the batcher makes is kept in `steps` (kind, streams, seconds)."""
         from vocoder.config import SAMPLE_RATE
 
         self.engine = engine
@@ -194,14 +195,13 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
 
     out: list[dict[str, Any]] = []
     lag = LoopLag()
-    policies = args.policies.split(",") if args.policies else [pipeline.batcher.policy]
+    policies = parse_policies(args.policies) or [(pipeline.batcher.policy, None)]
     default_budget = pipeline.batcher.step_code_budget
     try:
         for concurrency, count in zip(levels, requests_per_level(levels, args.requests), strict=True):
-            for spec in policies:  # the same level under each batching policy, back to back
-                policy, _, budget = spec.partition(":")
+            for policy, budget in policies:  # the same level under each batching policy, back to back
                 pipeline.batcher.policy = policy
-                pipeline.batcher.step_code_budget = int(budget) if budget else default_budget
+                pipeline.batcher.step_code_budget = budget or default_budget
                 if args.warmup:
                     await pipeline.closed_loop(make_request, concurrency, args.warmup)
                 lag.start()
@@ -221,6 +221,20 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
     finally:
         await pipeline.batcher.shutdown()
         await pipeline.engine.shutdown()
+    return out
+
+
+def parse_policies(text: str | None) -> list[tuple[str, int | None]]:
+    """`--policies`: "POLICY[:BUDGET],..." -> [(policy, step code budget or None)]; SystemExit if bad."""
+    from deployments.batcher import POLICIES
+
+    out: list[tuple[str, int | None]] = []
+    for spec in text.split(",") if text else []:
+        policy, colon, budget = spec.partition(":")
+        if policy not in POLICIES or colon and not (budget.isdigit() and int(budget) >= 1):
+            raise SystemExit(f"--policies takes a comma list of POLICY or POLICY:BUDGET with POLICY in "
+                             f"{POLICIES}, got {spec!r}")
+        out.append((policy, int(budget) if colon else None))
     return out
 
 
@@ -276,13 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     requests_per_level(levels, args.requests)  # fail on a bad --requests before building anything
-    from deployments.batcher import POLICIES
-
-    for spec in args.policies.split(",") if args.policies else []:
-        policy, colon, budget = spec.partition(":")
-        if policy not in POLICIES or colon and not (budget.isdigit() and int(budget) >= 1):
-            raise SystemExit(f"--policies takes a comma list of POLICY or deadline:BUDGET with POLICY in "
-                             f"{POLICIES}, got {spec!r}")
+    parse_policies(args.policies)  # fail on a bad --policies before building anything
     text = speech_prompt_text(args.prompt_tokens) if args.prompt_tokens else args.input
     summary: dict[str, Any] = {
         "benchmark": "inprocess_speech",

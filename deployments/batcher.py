@@ -166,8 +166,10 @@ class VocoderBatcher:
             did_work = True
         kind, ready = self.pick(time.monotonic())
         if ready:
-            # "deadline" ends a stream inside a step: its last codes, then the rest of its audio
+            # "deadline": one chunk per stream, and a stream can end inside the step (its last codes, then
+            # the rest of its audio); "fifo": every chunk the codes allow, ends in finish_many below
             ending = [s for s in ready if self._ends_now(s)] if self.policy == "deadline" else []
+            options = {"max_chunks": 1, "finish": [s.session for s in ending]} if self.policy == "deadline" else {}
             work = [(s.session, s.pending) for s in ready]
             for stream in ready:
                 stream.pending = []
@@ -175,11 +177,7 @@ class VocoderBatcher:
                 stream.is_closed = True
                 self._streams.remove(stream)
             started = time.monotonic()
-            if self.policy == "deadline":
-                last = [s.session for s in ending]
-                pcms = await self._call(lambda: self.vocoder.step(work, max_chunks=1, finish=last))
-            else:
-                pcms = await self._call(self.vocoder.step, work)
+            pcms = await self._call(lambda: self.vocoder.step(work, **options))
             self.num_steps += 1
             self._report(kind, len(work), started)
             self.num_open_sessions -= len(ending)
@@ -188,8 +186,9 @@ class VocoderBatcher:
             for stream in ending:
                 stream.out.put_nowait(END)
             did_work = True
-        finishing = [s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
-        if finishing and self.policy != "deadline":
+        finishing = ([s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
+                     if self.policy == "fifo" else [])
+        if finishing:
             for stream in finishing:
                 stream.is_closed = True
                 self._streams.remove(stream)

@@ -442,13 +442,14 @@ class StreamingVocoder:
             raise ValueError(f"max_chunks must be >= 1 or None, got {max_chunks}")
         sessions = [s for s, _ in work]
         self._check_sessions(sessions)
-        if any(all(f is not s for s in sessions) for f in finish):
+        ending_ids = {id(s) for s in finish}
+        if not ending_ids <= {id(s) for s in sessions}:
             raise ValueError("finish names a session that is not in work")
         checked = [check_codes(codes) for _, codes in work]  # validate all before mutating any
         for (session, _), codes in zip(work, checked):
             session.codes.extend(codes)
             session.num_codes += len(codes)
-        ending = [any(f is s for f in finish) for s in sessions]
+        ending = [id(s) in ending_ids for s in sessions]
         out = self._run(sessions, finishing=ending, max_chunks=max_chunks)
         for s, ends in zip(sessions, ending):
             if ends:
