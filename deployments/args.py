@@ -11,8 +11,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Serve deployment options accepted under `llm_options` / `vocoder_options` / `ingress_options`.
-# `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`; the rest are `@serve.deployment` kwargs.
-ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory"})
+# `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`, `env_vars` (name -> string) into its
+# `runtime_env` (the replica's process starts with them: e.g. `CUDA_MPS_CLIENT_PRIORITY`, read when CUDA
+# initialises, docs/operations.md); the rest are `@serve.deployment` kwargs.
+ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory", "env_vars"})
 DEPLOYMENT_OPTION_KEYS = frozenset({
     "num_replicas", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
     "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s",
@@ -32,6 +34,10 @@ def _check_options(value: dict[str, Any]) -> dict[str, Any]:
     for key in ("num_cpus", "num_gpus"):
         if key in value and (not isinstance(value[key], int | float) or value[key] < 0):
             raise ValueError(f"{key} must be a number >= 0, got {value[key]!r}")
+    env = value.get("env_vars", {})
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"env_vars must map variable names to strings (quote numbers in YAML), got {env!r}")
     return value
 
 
@@ -137,7 +143,9 @@ class AppArgs(BaseModel):
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split user options into (`@serve.deployment` kwargs, `ray_actor_options`)."""
-    actor = {k: v for k, v in options.items() if k in ACTOR_OPTION_KEYS and v is not None}
+    actor = {k: v for k, v in options.items() if k in ACTOR_OPTION_KEYS - {"env_vars"} and v is not None}
+    if options.get("env_vars"):
+        actor["runtime_env"] = {"env_vars": dict(options["env_vars"])}
     deployment = {k: v for k, v in options.items() if k in DEPLOYMENT_OPTION_KEYS}
     if "num_cpus" not in actor:
         # Every replica asks for a whole CPU unless told otherwise; on a 2-core machine three

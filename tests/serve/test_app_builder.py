@@ -57,6 +57,15 @@ def test_gpu_config_uses_the_ops_autoscaling_policies() -> None:
         "deployments.autoscaling:vocoder_policy"
 
 
+def test_env_vars_reach_the_replica_process_through_its_runtime_env() -> None:
+    args = yaml_args("serve.yaml")
+    args["llm_options"] = {**args["llm_options"], "env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}}
+    deployments = deployments_of(args)
+    assert deployments["LLMServer"].ray_actor_options == {
+        "num_cpus": 0.5, "runtime_env": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}}}
+    assert deployments["VocoderServer"].ray_actor_options == {"num_cpus": 0.5}
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"engine": {"model": "tiny", "device": "cuda"}}, "engine device is 'cuda' but llm_options.num_gpus is 0"),
     ({"vocoder_options": {"num_gpus": 0.5}}, "vocoder_options.num_gpus is 0.5 but the vocoder device is 'cpu'"),
@@ -70,6 +79,9 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
 @pytest.mark.parametrize(("args", "fragment"), [
     ({"llm_options": {"num_cpu": 1}}, "unknown deployment option(s) ['num_cpu']"),
     ({"llm_options": {"num_cpus": -1}}, "num_cpus must be a number >= 0"),
+    ({"llm_options": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 50}}}, "env_vars must map variable names "
+                                                                               "to strings"),
+    ({"vocoder_options": {"env_vars": ["A=1"]}}, "env_vars must map variable names to strings"),
     ({"engine": {"device": "cpu"}}, "engine.model is required"),
     ({"vocoder_preset": "huge"}, "'tiny' or 'full'"),
     ({"unknown_knob": 1}, "Extra inputs are not permitted"),
