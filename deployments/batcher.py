@@ -19,6 +19,9 @@ steps that newcomers need anyway. A step is reported as "first" when it leads wi
 "urgent" (its first stream has less than `urgent_buffer_s` buffered) or "background". Nothing is lost
 by waiting: a stream's PCM depends only on its codes.
 
+A vocoder call that raises fails the streams it carried, not the loop: each gets a `VocoderStepError` on
+its queue instead of more PCM (its session is closed), and the other streams go on.
+
 Policy "fifo" is the earlier rule, kept for A/B runs: every stream with pending codes (up to
 `max_batch_size`, longest waiting first) in one step, as many chunks as its codes allow, and ended streams
 in a `finish_many` call after it. (A third rule, "buffer": newcomers, then urgent, then the rest in
@@ -27,6 +30,7 @@ separate steps, lost to fifo in bench/results/e2e-h200-batching-ab/ and was remo
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,13 +42,19 @@ import numpy as np
 END = None  # put on a stream's queue after its last PCM chunk
 POLICIES = ("deadline", "fifo")
 
+logger = logging.getLogger(__name__)
+
+
+class VocoderStepError(RuntimeError):
+    """Put on a stream's queue (then nothing more) when a vocoder call carrying the stream failed."""
+
 
 class BatchedStream:
     """One utterance's vocoder session plus the codes waiting for the next step."""
 
     def __init__(self, session: Any, out: asyncio.Queue) -> None:
         self.session = session
-        self.out = out  # receives float32 PCM arrays, then END
+        self.out = out  # receives float32 PCM arrays, then END (or a VocoderStepError)
         self.pending: list[int] = []
         self.pending_since = 0.0
         self.is_ended = False   # no more codes will come: flush, then finish the session
@@ -153,8 +163,28 @@ class VocoderBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while await self._round():
-                pass
+            try:
+                while await self._round():
+                    pass
+            except Exception as exc:  # a bug outside the vocoder calls: no stream may wait forever
+                logger.exception("vocoder batching round failed: failing every stream")
+                self._fail(list(self._streams), exc)
+
+    def _fail(self, streams: Sequence[BatchedStream], exc: BaseException) -> None:
+        """End `streams` with a VocoderStepError; their sessions are closed by the next round."""
+        error = VocoderStepError(f"vocoder step failed: {exc!r}")
+        for stream in streams:
+            if stream in self._streams:
+                self._streams.remove(stream)
+            if stream.is_aborted:
+                continue  # closed by `close`: its session is being discarded already
+            stream.is_aborted = True  # nothing more is delivered to it
+            stream.is_closed = True
+            stream.pending.clear()
+            stream.out.put_nowait(error)
+            self._discard.append(stream.session)  # StreamingVocoder.close is a no-op on a closed session
+        if streams:
+            self._wake.set()
 
     async def _round(self) -> bool:
         """One step over ready streams plus any finishes; False when there was nothing to do."""
@@ -177,7 +207,12 @@ class VocoderBatcher:
                 stream.is_closed = True
                 self._streams.remove(stream)
             started = time.monotonic()
-            pcms = await self._call(lambda: self.vocoder.step(work, **options))
+            try:
+                pcms = await self._call(lambda: self.vocoder.step(work, **options))
+            except Exception as exc:
+                logger.exception("vocoder step of %d streams failed", len(work))
+                self._fail(ready, exc)
+                return True
             self.num_steps += 1
             self._report(kind, len(work), started)
             self.num_open_sessions -= len(ending)
@@ -193,7 +228,12 @@ class VocoderBatcher:
                 stream.is_closed = True
                 self._streams.remove(stream)
             started = time.monotonic()
-            tails = await self._call(self.vocoder.finish_many, [s.session for s in finishing])
+            try:
+                tails = await self._call(self.vocoder.finish_many, [s.session for s in finishing])
+            except Exception as exc:
+                logger.exception("vocoder finish of %d streams failed", len(finishing))
+                self._fail(finishing, exc)
+                return True
             self._report("finish", len(finishing), started)
             self.num_open_sessions -= len(finishing)
             for stream, tail in zip(finishing, tails, strict=True):

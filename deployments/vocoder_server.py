@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.batcher import END, BatchedStream, VocoderBatcher
+from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepError
 from deployments.errors import error_event, internal_error
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
@@ -122,6 +122,9 @@ class VocoderServer:
                 item = await out.get()
                 if item is END:
                     break
+                if isinstance(item, VocoderStepError):  # the batcher closed the stream's session
+                    yield internal_error(str(item)).to_event()
+                    return
                 if isinstance(item, dict):  # text or error from the reader
                     yield item
                     if item["type"] == "error":

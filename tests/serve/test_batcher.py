@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from deployments.batcher import END, VocoderBatcher
+from deployments.batcher import END, VocoderBatcher, VocoderStepError
 
 SAMPLES = 4  # per code, for the double
 LOOKAHEAD = 2
@@ -313,3 +313,67 @@ def test_deadline_on_the_tiny_vocoder_gives_fifos_audio() -> None:
     assert set(fifo_kinds) == {"fifo", "finish"}
     assert kinds[0] == "first" and "finish" not in kinds and "urgent" in kinds
     assert voc.num_open_sessions == 0
+
+
+class FailingVocoder(ChunkVocoder):
+    """ChunkVocoder whose step raises while any session named in `poison` is in it."""
+
+    def __init__(self, poison: set[str]) -> None:
+        super().__init__()
+        self.poison = poison
+
+    def step(self, work: list[tuple[Session, Sequence[int]]], **options: object) -> list[np.ndarray]:
+        if any(session.name in self.poison for session, _ in work):
+            self.steps.append([("failed", [])])
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return super().step(work, **options)
+
+
+def test_a_failing_step_fails_its_streams_and_the_loop_serves_the_next_ones() -> None:
+    async def main() -> None:
+        vocoder = FailingVocoder(poison={"v-1"})
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
+        a, b = [await batcher.open("v", seed=i) for i in (1, 2)]
+        batcher.push(a, list(range(12)))
+        batcher.push(b, [20, 21, 22, 23])  # a chunk ready: b joins a's step, which fails
+        batcher.end(a)
+        error_a, error_b = await asyncio.gather(a.out.get(), b.out.get())
+        for error in (error_a, error_b):
+            assert isinstance(error, VocoderStepError)
+            assert str(error) == "vocoder step failed: RuntimeError('CUDA error: an illegal memory access')"
+        assert a.out.empty() and b.out.empty()  # nothing after the error, not even END
+        c = await batcher.open("v", seed=3)  # the loop is alive: a later stream is served in full
+        batcher.push(c, [40, 41, 42, 43, 44])
+        batcher.end(c)
+        assert await drain(c.out) == [float(x) for x in (40, 41, 42, 43, 44) for _ in range(SAMPLES)]
+        assert vocoder.steps[0] == [("failed", [])]
+        assert sorted(vocoder.closed) == ["v-1", "v-2"]  # both failed sessions were closed
+        batcher.close(a)  # the server's cleanup after the error: a no-op now
+        assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_the_loop() -> None:
+    async def main() -> None:
+        vocoder = ChunkVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
+        a = await batcher.open("v", seed=1)
+
+        def broken(session: Session, pending: int = 0) -> int:
+            raise KeyError("chunk schedule")
+
+        vocoder.next_chunk_codes = broken  # pick() raises in the loop, outside any vocoder call
+        batcher.push(a, [1, 2, 3, 4])
+        error = await a.out.get()
+        assert isinstance(error, VocoderStepError) and "KeyError('chunk schedule')" in str(error)
+        del vocoder.next_chunk_codes
+        b = await batcher.open("v", seed=2)
+        batcher.push(b, [5, 6, 7])
+        batcher.end(b)
+        assert await drain(b.out) == [float(x) for x in (5, 6, 7) for _ in range(SAMPLES)]
+        assert vocoder.closed == ["v-1"] and batcher.num_open_sessions == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
