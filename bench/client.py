@@ -4,8 +4,11 @@
     python bench/client.py --rate 4 --duration 60 --max-new-tokens 100 --fixed-length
 
 Closed loop: at each concurrency level, `c` workers send requests back to back until `--requests` have
-finished; all start at once (a burst) unless `--ramp-s` spreads their first requests (steady state). Open loop: requests arrive as a Poisson process of `--rate` per second for `--duration` s, no
-matter how many are still in flight. `--warmup` requests run first at every level and are not counted.
+finished; all start at once (a burst) unless `--ramp-s` spreads their first requests (steady state). With
+`--listen`, a worker first plays each reply in real time (from its first audio, pausing at stalls) and sends
+its next request when playback ends: `c` simultaneous listeners, as in conversations. Without it, a server
+faster than real time serves more audio per second than `c` listeners hear. Open loop: requests arrive as
+a Poisson process of `--rate` per second for `--duration` s, no matter how many are still in flight. `--warmup` requests run first at every level and are not counted.
 Per request see `bench/measure.py`; the script prints ONE JSON summary and writes a PNG (`--plot`).
 Traffic stays on loopback unless `--allow-remote` is given.
 """
@@ -201,10 +204,11 @@ async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, resul
 
 
 async def run_closed_loop(client: httpx.AsyncClient, load: SpeechLoad, concurrency: int,
-                          num_requests: int, ramp_s: float = 0.0) -> tuple[list[RequestResult], float]:
+                          num_requests: int, ramp_s: float = 0.0,
+                          listen: bool = False) -> tuple[list[RequestResult], float]:
     """`concurrency` workers send `num_requests` requests back to back -> (results, wall seconds);
     `ramp_s` spreads the workers' first requests (`bench.measure.closed_loop`)."""
-    return await closed_loop(lambda: run_request(client, load), concurrency, num_requests, ramp_s)
+    return await closed_loop(lambda: run_request(client, load), concurrency, num_requests, ramp_s, listen)
 
 
 async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float, duration_s: float,
@@ -228,7 +232,7 @@ async def run_open_loop(client: httpx.AsyncClient, load: SpeechLoad, rate: float
 
 async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_requests: list[int],
                         warmup: int, rate: float | None = None, duration_s: float = 0.0,
-                        seed: int = 0, ramp_s: float = 0.0,
+                        seed: int = 0, ramp_s: float = 0.0, listen: bool = False,
                         on_level: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every level (closed loop) or the one open-loop run, each after its warm-up -> level summaries.
 
@@ -250,8 +254,8 @@ async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_
             if warmup:
                 await run_closed_loop(client, load, concurrency, warmup)
             lag.start()
-            results, wall_s = await run_closed_loop(client, load, concurrency, count, ramp_s)
-            levels.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=ramp_s,
+            results, wall_s = await run_closed_loop(client, load, concurrency, count, ramp_s, listen)
+            levels.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=ramp_s, listen=listen,
                                     driver_loop_lag_s=lag.stop()))
             if on_level is not None:
                 on_level(levels)
@@ -269,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ramp-s", type=float, default=0.0,
                    help="closed loop: spread the workers' first requests over this many seconds (steady "
                         "state); 0 sends them all at once (a burst)")
+    p.add_argument("--listen", action="store_true",
+                   help="closed loop: each worker sends its next request only when its listener has played "
+                        "the previous reply in real time (concurrency = simultaneous listeners)")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--duration", type=float, default=30.0, help="open loop: seconds of arrivals")
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests before each level")
@@ -332,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     levels = asyncio.run(run_benchmark(
         load, concurrency_levels=levels_asked, num_requests=requests_per_level(levels_asked, args.requests), warmup=args.warmup,
-        rate=args.rate, duration_s=args.duration, seed=args.seed, ramp_s=args.ramp_s, on_level=save))
+        rate=args.rate, duration_s=args.duration, seed=args.seed, ramp_s=args.ramp_s, listen=args.listen,
+        on_level=save))
     summary["complete"] = True
     if args.plot:
         x_key = "rate_per_s" if args.rate is not None else "concurrency"

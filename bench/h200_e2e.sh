@@ -16,7 +16,9 @@
 # vocoder warm-up of serve-h200.yaml), OPEN_RATES (comma separated arrivals per second: open-loop runs
 # over Serve after the closed loop, each OPEN_DURATION seconds of arrivals, default 30), STEADY_LEVELS /
 # STEADY_REQUESTS / RAMP_S (a second closed loop over Serve whose workers' first requests are spread over
-# RAMP_S seconds: steady state instead of a burst; none by default), PIPE_RAMP_S (the same for pipeline.py),
+# RAMP_S seconds: steady state instead of a burst; none by default), LISTEN_LEVELS / LISTEN_REQUESTS (a closed
+# loop of listeners, ramped over RAMP_S: each worker plays a reply in real time before its next request,
+# bench/client.py --listen; none by default), PIPE_RAMP_S (the same ramp for pipeline.py),
 # MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
 # processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only).
 set -uo pipefail
@@ -28,7 +30,8 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/h200_e2e_out}
 PHASES=${PHASES:-serve,pipeline}
 OPEN_RATES=${OPEN_RATES:-}; OPEN_DURATION=${OPEN_DURATION:-30}
-STEADY_LEVELS=${STEADY_LEVELS:-}; STEADY_REQUESTS=${STEADY_REQUESTS:-}; RAMP_S=${RAMP_S:-3}; PIPE_RAMP_S=${PIPE_RAMP_S:-0}
+STEADY_LEVELS=${STEADY_LEVELS:-}; STEADY_REQUESTS=${STEADY_REQUESTS:-}; LISTEN_LEVELS=${LISTEN_LEVELS:-}
+LISTEN_REQUESTS=${LISTEN_REQUESTS:-}; RAMP_S=${RAMP_S:-3}; PIPE_RAMP_S=${PIPE_RAMP_S:-0}
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
@@ -131,6 +134,7 @@ serve_phase() {
   [ "$MODE" = cpu ] && SERVE_CMD+=(--num-cpus 2)
   record "${SERVE_CMD[@]}"
   log "starting Serve: ${SERVE_CMD[*]}"
+  rm -f "$OUT/serve_ready.json"  # a ready file of an earlier run in the same OUT must not count
   "${SERVE_CMD[@]}" > "$OUT/serve_app.log" 2>&1 &
   SERVE_PID=$!
   READY_BY=$(( $(date +%s) + $(cap $SERVE_CAP) ))
@@ -144,6 +148,10 @@ serve_phase() {
   done
   URL="http://127.0.0.1:$HTTP_PORT"
   log "Serve ready: $(cat "$OUT/serve_ready.json")"
+  for pid in $(pgrep -f 'ServeReplica' || true); do  # the MPS settings each replica process started with
+    echo "replica $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-48): $(tr '\0' '\n' < "/proc/$pid/environ" \
+      | grep '^CUDA_MPS_' | tr '\n' ' ')" >> "$OUT/env.txt" 2>/dev/null
+  done
   "$PY" - "$URL" <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
 import sys, httpx
 print("health:", httpx.get(sys.argv[1] + "/health", timeout=10).text)
@@ -182,6 +190,18 @@ EOF
     timeout --kill-after=10 "$T_CLIENT" "${STEADY_CMD[@]}" > "$OUT/client_steady.stdout" 2>> "$OUT/client_stderr.txt"
     log "steady client exit $?"
     snapshot steady
+  fi
+  if [ -n "$LISTEN_LEVELS" ]; then  # closed loop of listeners: each reply is heard in real time first
+    LISTEN_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LISTEN_LEVELS" --ramp-s "$RAMP_S" --listen
+                "${COMMON[@]}" --label "$MODE serve $CONFIG listeners (ramp ${RAMP_S}s)" --out "$OUT/client_listen.json")
+    [ -n "$LISTEN_REQUESTS" ] && LISTEN_CMD+=(--requests "$LISTEN_REQUESTS")
+    [ "$PLOT" = 1 ] && LISTEN_CMD+=(--plot "$OUT/client_listen.png")
+    record "${LISTEN_CMD[@]}"
+    T_CLIENT=$(cap $(( $(left) - RESERVE )))
+    log "listening client (timeout ${T_CLIENT}s): ${LISTEN_CMD[*]}"
+    timeout --kill-after=10 "$T_CLIENT" "${LISTEN_CMD[@]}" > "$OUT/client_listen.stdout" 2>> "$OUT/client_stderr.txt"
+    log "listening client exit $?"
+    snapshot listen
   fi
   for RATE in ${OPEN_RATES//,/ }; do  # open loop: Poisson arrivals at RATE per second for OPEN_DURATION s
     OPEN_CMD=("$PY" bench/client.py --url "$URL" --rate "$RATE" --duration "$OPEN_DURATION" "${COMMON[@]}"
@@ -244,7 +264,7 @@ fi
 "$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/digest.txt"
 import json, os, sys
 out = sys.argv[1]
-for name in ["client_closed.json", "client_steady.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
+for name in ["client_closed.json", "client_steady.json", "client_listen.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         print(f"{name}: missing"); continue
@@ -258,7 +278,8 @@ for name in ["client_closed.json", "client_steady.json", "pipeline.json"] + sort
               f"gap p50/p99={ms(lv['chunk_gap_s'], 'p50')}/{ms(lv['chunk_gap_s'], 'p99')} "
               f"rtf p50={lv['rtf']['p50'] and round(lv['rtf']['p50'], 3)} "
               f"audio_s/wall_s={lv['audio_s_per_wall_s'] and round(lv['audio_s_per_wall_s'], 2)} "
-              f"underruns={lv['underruns']['total']} codes={lv['num_audio_codes_seen']} "
+              f"underruns={lv['underruns']['total']} in {lv['underruns']['requests_with_underrun']} requests, "
+              f"stall {lv['underruns']['stall_s_total']:.1f}s codes={lv['num_audio_codes_seen']} "
               f"prompt={lv['num_prompt_tokens_seen']} driver_lag_p99={ms(lv.get('driver_loop_lag_s', {'p99': None}), 'p99')}")
 EOF
 # Server-side stage split per client phase (difference of consecutive scrapes; includes warm-ups).
@@ -266,7 +287,7 @@ EOF
 import os, sys
 from deployments.monitor import delta, parse_samples, summarize, histogram_buckets, histogram_quantile
 out = sys.argv[1]
-names = [n for n in ("start", "closed", "steady") if os.path.exists(f"{out}/metrics_{n}.prom")]
+names = [n for n in ("start", "closed", "steady", "listen") if os.path.exists(f"{out}/metrics_{n}.prom")]
 names += sorted(f[8:-5] for f in os.listdir(out) if f.startswith("metrics_open_") and f.endswith(".prom"))
 ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"
 for before, after in zip(names, names[1:]):

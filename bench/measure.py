@@ -196,13 +196,25 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
     }
 
 
+def playback_left_s(result: RequestResult) -> float:
+    """Seconds from the end of `result`'s response until a listener who started playing at its first audio
+    (and paused at every stall) hears the last sample; 0 for a failed request."""
+    if not result.is_ok or result.ttfa_s is None:
+        return 0.0
+    return max(0.0, result.ttfa_s + result.audio_s + result.stall_s - result.e2e_s)
+
+
 async def closed_loop(run_one: Callable[[], Awaitable[RequestResult]], concurrency: int, num_requests: int,
-                      ramp_s: float = 0.0,
+                      ramp_s: float = 0.0, listen: bool = False,
                       sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> tuple[list[RequestResult], float]:
     """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds).
 
     With `ramp_s` > 0, worker k starts k * ramp_s / concurrency seconds after worker 0: arrivals are spread
     as in a service that has been running for a while, instead of all at once (a burst, ramp_s = 0).
+    With `listen`, a worker plays each reply in real time before it sends its next request (one turn of a
+    conversation; `playback_left_s`), so `concurrency` is the number of simultaneous listeners; without
+    it, a worker sends its next request as soon as the last byte arrived, and a server faster than real
+    time serves more audio per second than `concurrency` listeners would hear.
     """
     remaining = iter(range(num_requests))
     results: list[RequestResult] = []
@@ -211,8 +223,12 @@ async def closed_loop(run_one: Callable[[], Awaitable[RequestResult]], concurren
     async def worker(k: int) -> None:
         if k and ramp_s > 0:
             await sleep(k * ramp_s / workers)
+        last: RequestResult | None = None
         for _ in remaining:  # a shared iterator: each index is taken by exactly one worker
-            results.append(await run_one())
+            if listen and last is not None:
+                await sleep(playback_left_s(last))
+            last = await run_one()
+            results.append(last)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker(k) for k in range(workers)))

@@ -11,7 +11,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.measure import RequestResult, closed_loop, requests_per_level, summarize
+from bench.measure import RequestResult, closed_loop, playback_left_s, requests_per_level, summarize
 from bench.pipeline import build, parse_args, settings_from_config
 from deployments.app import GpuUnavailableError, check_gpus
 from deployments.args import AppArgs
@@ -70,6 +70,39 @@ def test_closed_loop_ramp_staggers_the_workers_first_requests() -> None:
     assert asyncio.run(go(4, 10, 2.0)) == ([0.5, 1.0, 1.5], sorted(f"r{i}" for i in range(10)))
     assert asyncio.run(go(4, 10, 0.0))[0] == []
     assert asyncio.run(go(8, 2, 2.0)) == ([1.0], ["r0", "r1"])  # 2 requests: 2 workers
+
+
+def heard(ttfa_s: float, audio_s: float, stall_s: float, e2e_s: float, ok: bool = True) -> RequestResult:
+    return RequestResult(status=200 if ok else 503, error=None if ok else "overloaded", ttfa_s=ttfa_s,
+                         num_samples=round(audio_s * 24000), stall_s=stall_s, e2e_s=e2e_s)
+
+
+def test_playback_left_is_what_a_listener_still_has_to_hear_when_the_response_ends() -> None:
+    # playback starts at the first audio (0.1 s), lasts 2 s of audio plus 0.25 s of stalls: ends at 2.35 s
+    assert playback_left_s(heard(0.1, 2.0, 0.25, 0.6)) == pytest.approx(1.75)
+    assert playback_left_s(heard(0.1, 2.0, 0.0, 3.0)) == 0.0  # the response outlasted its playback
+    assert playback_left_s(heard(0.1, 2.0, 0.0, 0.6, ok=False)) == 0.0  # nothing to hear
+
+
+def test_listening_workers_wait_for_each_reply_to_be_heard_before_the_next_request() -> None:
+    async def go(listen: bool) -> list[float]:
+        waits: list[float] = []
+        replies = iter([heard(0.1, 1.0, 0.2, 0.5), heard(0.1, 1.0, 0.0, 0.3, ok=False), heard(0.2, 2.0, 0.0, 1.0)])
+
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+
+        async def run_one() -> RequestResult:
+            await asyncio.sleep(0)
+            return next(replies)
+
+        results, _ = await closed_loop(run_one, 1, 3, listen=listen, sleep=sleep)
+        assert len(results) == 3
+        return waits
+
+    # after the first reply 0.1 + 1 + 0.2 - 0.5 s; after the failed one nothing; none after the last
+    assert asyncio.run(go(True)) == pytest.approx([0.8, 0.0])
+    assert asyncio.run(go(False)) == []
 
 
 def test_requests_per_level_accepts_one_count_or_one_per_level() -> None:
