@@ -11,10 +11,7 @@ chunk ready are taken in deadline order: newcomers (no audio yet, longest waitin
 others by their listener's buffer (`BatchedStream.buffer_s`: audio delivered minus time since the first
 chunk; least first). Each joins the step while its padded size, rows (as the vocoder pads them,
 `bucket_rows`) x the largest chunk's codes, stays within `step_code_budget`; one that does not fit is
-passed over for smaller chunks further down, and the first always goes. A step that carries newcomers
-stays as small as their first chunks: a listener whose chunk is larger joins it only when it has less than
-`urgent_buffer_s` buffered (a 25-code chunk would otherwise pad a 3-code first chunk to 25 codes, and the
-newcomer's first audio would wait for a full-size step). A stream whose codes have all
+passed over for smaller chunks further down, and the first always goes. A stream whose codes have all
 arrived and whose scheduled chunks are all computed ends in such a step too (`step(finish=...)`: its
 tail is one more chunk, of its unvocoded codes), not in a call of its own. So no step grows past the
 budget (a newcomer waits for at most one such step), and the steady streams' chunks and ends share the
@@ -277,9 +274,6 @@ class VocoderBatcher:
             codes = max(largest, sizes[s])  # the step pads every chunk to its largest
             if picked and self.vocoder.bucket_rows(len(picked) + 1) * codes > self.step_code_budget:
                 continue  # a smaller chunk further down may still fit
-            if (fresh and codes > largest and s.first_pcm_at is not None
-                    and s.buffer_s(now, self.sample_rate) >= self.urgent_buffer_s):
-                continue  # a newcomers' step stays small: a listener with audio buffered waits for the next
             picked.append(s)
             largest = codes
         head = picked[0]
