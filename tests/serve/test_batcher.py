@@ -377,3 +377,66 @@ def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_t
         await batcher.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -> None:
+    from deployments.errors import internal_error
+    from deployments.metrics import RecentWindow
+    from deployments.vocoder_server import VocoderServer
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def observe(self, value: float, tags: dict | None = None) -> None:
+            self.values.append(value)
+
+        def set(self, value: float) -> None:
+            self.values.append(value)
+
+    class LLMStream:  # what handle.options(stream=True).remote(request) gives: events, then cancel()
+        def __init__(self, events: list[dict]) -> None:
+            self.events, self.cancelled = iter(events), False
+
+        def __aiter__(self) -> LLMStream:
+            return self
+
+        async def __anext__(self) -> dict:
+            await asyncio.sleep(0)
+            try:
+                return next(self.events)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def main() -> None:
+        llm_stream = LLMStream([{"type": "codes", "codes": list(range(8))},
+                                {"type": "finished", "reason": "length", "error": None}])
+        llm = type("LLM", (), {})()
+        llm.generate = type("Method", (), {"options": lambda self, **kw: self, "remote": lambda self, r: llm_stream})()
+        class Replica(VocoderServer):  # the replica without a model (its vocoder is the double) or Ray's
+            def __del__(self) -> None:  # asynchronous destructor
+                pass
+
+        server = Replica.__new__(Replica)
+        vocoder = FailingVocoder(poison={"default-5"})
+        server._llm, server._num_active, server._batch_sizes = llm, 0, RecentWindow(window_s=30.0)
+        server._metrics = type("Metrics", (), {"active_streams": Recorder(), "time_to_first_pcm": Recorder(),
+                                               "step_seconds": Recorder(), "batch_size": Recorder()})()
+        server._batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
+        server._codes_stream = {"eager_codes": 5, "batch_s": 0.0}
+        events = [e async for e in server.synthesize({"with_audio": True, "voice": "default", "seed": 5})]
+        assert events == [{"type": "started"}, internal_error(
+            "vocoder step failed: RuntimeError('CUDA error: an illegal memory access')").to_event()]
+        for _ in range(500):  # the batcher closes the failed session in its next round, on its worker thread
+            if server._batcher.num_open_sessions == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert llm_stream.cancelled and vocoder.closed == ["default-5"]
+        assert server._batcher.num_streams == 0 and server._batcher.num_open_sessions == 0
+        assert server._num_active == 0
+        await server._batcher.shutdown()
+
+    asyncio.run(main())
