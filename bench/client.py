@@ -8,7 +8,8 @@ finished; all start at once (a burst) unless `--ramp-s` spreads their first requ
 `--listen`, a worker first plays each reply in real time (from its first audio, pausing at stalls) and sends
 its next request when playback ends: `c` simultaneous listeners, as in conversations. Without it, a server
 faster than real time serves more audio per second than `c` listeners hear. Open loop: requests arrive as
-a Poisson process of `--rate` per second for `--duration` s, no matter how many are still in flight. `--warmup` requests run first at every level and are not counted.
+a Poisson process of `--rate` per second for `--duration` s, no matter how many are still in flight.
+`--warmup` requests run first at every level and are not counted.
 Per request see `bench/measure.py`; the script prints ONE JSON summary and writes a PNG (`--plot`).
 Traffic stays on loopback unless `--allow-remote` is given.
 """
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--concurrency needs levels >= 1")
     if args.ramp_s < 0:
         raise SystemExit("--ramp-s must be >= 0")
+    if args.rate is not None and args.listen:
+        raise SystemExit("--listen is for the closed loop; an open loop's arrivals do not wait for listeners")
     if args.rate is not None and not (args.rate > 0 and args.duration > 0):
         raise SystemExit("--rate and --duration must be > 0")
     text = prompt_text(args.prompt_tokens) if args.prompt_tokens else (args.input or SpeechLoad.input)

@@ -179,30 +179,22 @@ EOF
     log "client exit $? ($(wc -c < "$OUT/client_stdout.txt") bytes of JSON)"
     snapshot closed
   fi
-  if [ -n "$STEADY_LEVELS" ]; then  # closed loop again, the workers' first requests spread over RAMP_S
-    STEADY_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$STEADY_LEVELS" --ramp-s "$RAMP_S" "${COMMON[@]}"
-                --label "$MODE serve $CONFIG steady (ramp ${RAMP_S}s)" --out "$OUT/client_steady.json")
-    [ -n "$STEADY_REQUESTS" ] && STEADY_CMD+=(--requests "$STEADY_REQUESTS")
-    [ "$PLOT" = 1 ] && STEADY_CMD+=(--plot "$OUT/client_steady.png")
-    record "${STEADY_CMD[@]}"
+  ramped_client() {  # NAME LEVELS REQUESTS WHAT [client args]: a closed loop, first requests spread over RAMP_S
+    local name=$1 levels=$2 requests=$3 what=$4; shift 4
+    local cmd=("$PY" bench/client.py --url "$URL" --concurrency "$levels" --ramp-s "$RAMP_S" "$@" "${COMMON[@]}"
+               --label "$MODE serve $CONFIG $what (ramp ${RAMP_S}s)" --out "$OUT/client_$name.json")
+    [ -n "$requests" ] && cmd+=(--requests "$requests")
+    [ "$PLOT" = 1 ] && cmd+=(--plot "$OUT/client_$name.png")
+    record "${cmd[@]}"
     T_CLIENT=$(cap $(( $(left) - RESERVE )))
-    log "steady client (timeout ${T_CLIENT}s): ${STEADY_CMD[*]}"
-    timeout --kill-after=10 "$T_CLIENT" "${STEADY_CMD[@]}" > "$OUT/client_steady.stdout" 2>> "$OUT/client_stderr.txt"
-    log "steady client exit $?"
-    snapshot steady
-  fi
-  if [ -n "$LISTEN_LEVELS" ]; then  # closed loop of listeners: each reply is heard in real time first
-    LISTEN_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$LISTEN_LEVELS" --ramp-s "$RAMP_S" --listen
-                "${COMMON[@]}" --label "$MODE serve $CONFIG listeners (ramp ${RAMP_S}s)" --out "$OUT/client_listen.json")
-    [ -n "$LISTEN_REQUESTS" ] && LISTEN_CMD+=(--requests "$LISTEN_REQUESTS")
-    [ "$PLOT" = 1 ] && LISTEN_CMD+=(--plot "$OUT/client_listen.png")
-    record "${LISTEN_CMD[@]}"
-    T_CLIENT=$(cap $(( $(left) - RESERVE )))
-    log "listening client (timeout ${T_CLIENT}s): ${LISTEN_CMD[*]}"
-    timeout --kill-after=10 "$T_CLIENT" "${LISTEN_CMD[@]}" > "$OUT/client_listen.stdout" 2>> "$OUT/client_stderr.txt"
-    log "listening client exit $?"
-    snapshot listen
-  fi
+    log "$what client (timeout ${T_CLIENT}s): ${cmd[*]}"
+    timeout --kill-after=10 "$T_CLIENT" "${cmd[@]}" > "$OUT/client_$name.stdout" 2>> "$OUT/client_stderr.txt"
+    log "$what client exit $?"
+    snapshot "$name"
+  }
+  # the closed loop again in steady state; then listeners, each hearing a reply in real time before the next
+  [ -n "$STEADY_LEVELS" ] && ramped_client steady "$STEADY_LEVELS" "$STEADY_REQUESTS" steady
+  [ -n "$LISTEN_LEVELS" ] && ramped_client listen "$LISTEN_LEVELS" "$LISTEN_REQUESTS" listeners --listen
   for RATE in ${OPEN_RATES//,/ }; do  # open loop: Poisson arrivals at RATE per second for OPEN_DURATION s
     OPEN_CMD=("$PY" bench/client.py --url "$URL" --rate "$RATE" --duration "$OPEN_DURATION" "${COMMON[@]}"
               --label "$MODE serve $CONFIG open $RATE/s" --out "$OUT/client_open_$RATE.json")

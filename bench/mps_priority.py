@@ -45,6 +45,21 @@ def percentiles(values: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------- workloads (run in child processes)
+def capture(fn):
+    """`fn` run twice on a side stream (warm-up), then captured as one CUDA graph."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def victim(args: argparse.Namespace, work: Path) -> None:
     import torch
 
@@ -60,14 +75,7 @@ def victim(args: argparse.Namespace, work: Path) -> None:
             h = torch.nn.functional.silu(h @ weights[i % 8]) + h * 0.5
         x.copy_(h / h.abs().amax().clamp(min=1))
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
+    graph = capture(chain)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -113,14 +121,7 @@ def competitor(args: argparse.Namespace, work: Path) -> None:
             h = h / h.abs().amax(dim=-1, keepdim=True).clamp(min=1)
         x.copy_(h)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            decode_step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_step()
+    graph = capture(decode_step)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # Serve deployment options accepted under `llm_options` / `vocoder_options` / `ingress_options`.
 # `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`, `env_vars` (name -> string) into its
-# `runtime_env` (the replica's process starts with them: e.g. `CUDA_MPS_CLIENT_PRIORITY`, read when CUDA
-# initialises, docs/operations.md); the rest are `@serve.deployment` kwargs.
+# `runtime_env` (the replica's process starts with them: e.g. `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read when
+# CUDA initialises, docs/operations.md); the rest are `@serve.deployment` kwargs.
 ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory", "env_vars"})
 DEPLOYMENT_OPTION_KEYS = frozenset({
     "num_replicas", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",

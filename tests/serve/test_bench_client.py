@@ -22,6 +22,7 @@ from bench.client import (
     prompt_text,
     run_closed_loop,
 )
+from bench.client import main as client_main
 from bench.measure import PlaybackClock, speech_prompt_text, summarize
 from deployments.framing import wav_header
 from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
@@ -70,6 +71,11 @@ def test_check_url_refuses_non_loopback_hosts_unless_allowed() -> None:
         with pytest.raises(ValueError, match="not a loopback address"):
             check_url(url)
     assert check_url("http://10.1.2.3:8000", allow_remote=True) == "http://10.1.2.3:8000"
+
+
+def test_listen_is_refused_for_an_open_loop_before_any_request() -> None:
+    with pytest.raises(SystemExit, match="--listen is for the closed loop"):
+        client_main(["--rate", "2", "--listen", "--url", "http://127.0.0.1:9"])
 
 
 def test_prompt_text_has_the_asked_length_and_variants_differ_from_their_first_character() -> None:
