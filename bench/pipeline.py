@@ -134,7 +134,7 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
                         "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s", "vocoder_batching",
-                        "vocoder_step_code_budget")}
+                        "vocoder_step_code_budget", "vocoder_urgent_step_code_budget")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -162,7 +162,7 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
         vocoder_kwargs["device"] = args.device
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
     batcher_options = {k: vocoder_kwargs.pop(k)
-                       for k in ("urgent_buffer_s", "step_code_budget")
+                       for k in ("urgent_buffer_s", "step_code_budget", "urgent_step_code_budget")
                        if k in vocoder_kwargs}
     if "batching" in vocoder_kwargs:
         batcher_options["policy"] = vocoder_kwargs.pop("batching")

@@ -83,6 +83,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     llm_app = llm.bind(dict(args.engine))
     streaming = {"codes_batch_s": args.codes_batch_s, "policy": args.vocoder_batching,
                  "urgent_buffer_s": args.vocoder_urgent_buffer_s,
-                 "step_code_budget": args.vocoder_step_code_budget}
+                 "step_code_budget": args.vocoder_step_code_budget,
+                 "urgent_step_code_budget": args.vocoder_urgent_step_code_budget}
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

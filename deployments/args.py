@@ -82,6 +82,9 @@ class AppArgs(BaseModel):
     # (every stream with codes pending in one step), kept for A/B runs.
     vocoder_batching: Literal["deadline", "fifo"] = "deadline"
     vocoder_step_code_budget: int = Field(default=256, ge=1)
+    # The budget of a step while some listener has less than `vocoder_urgent_buffer_s` buffered (None: the
+    # same); larger steps move more audio per GPU second when streams run behind.
+    vocoder_urgent_step_code_budget: int | None = Field(default=None, ge=1)
     vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
@@ -131,6 +134,10 @@ class AppArgs(BaseModel):
     def _check_vocoder_graph_options(self) -> AppArgs:
         if (self.vocoder_bucket_shapes or self.vocoder_warmup_rows) and not self.vocoder_cuda_graphs:
             raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
+        urgent = self.vocoder_urgent_step_code_budget
+        if urgent is not None and urgent < self.vocoder_step_code_budget:
+            raise ValueError(f"vocoder_urgent_step_code_budget ({urgent}) must be at least "
+                             f"vocoder_step_code_budget ({self.vocoder_step_code_budget})")
         return self
 
     @field_validator("engine")

@@ -11,7 +11,9 @@ chunk ready are taken in deadline order: newcomers (no audio yet, longest waitin
 others by their listener's buffer (`BatchedStream.buffer_s`: audio delivered minus time since the first
 chunk; least first). Each joins the step while its padded size, rows (as the vocoder pads them,
 `bucket_rows`) x the largest chunk's codes, stays within `step_code_budget`; one that does not fit is
-passed over for smaller chunks further down, and the first always goes. A stream whose codes have all
+passed over for smaller chunks further down, and the first always goes. While some listener has less than
+`urgent_buffer_s` buffered, the budget is `urgent_step_code_budget` instead (by default the same): small
+steps keep a newcomer's wait short, larger ones move more audio per GPU second when streams run behind. A stream whose codes have all
 arrived and whose scheduled chunks are all computed ends in such a step too (`step(finish=...)`: its
 tail is one more chunk, of its unvocoded codes), not in a call of its own. So no step grows past the
 budget (a newcomer waits for at most one such step), and the steady streams' chunks and ends share the
@@ -83,6 +85,7 @@ class VocoderBatcher:
 
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "deadline",
                  urgent_buffer_s: float = 0.5, step_code_budget: int = 256,
+                 urgent_step_code_budget: int | None = None,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -90,12 +93,16 @@ class VocoderBatcher:
             raise ValueError(f"urgent_buffer_s must be >= 0, got {urgent_buffer_s}")
         if step_code_budget < 1:
             raise ValueError(f"step_code_budget must be >= 1, got {step_code_budget}")
+        if urgent_step_code_budget is not None and urgent_step_code_budget < step_code_budget:
+            raise ValueError(f"urgent_step_code_budget must be >= step_code_budget ({step_code_budget}), "
+                             f"got {urgent_step_code_budget}")
         self.vocoder = vocoder
         self.max_batch_size = max_batch_size
         self.sample_rate = sample_rate
         self.policy = policy
         self.urgent_buffer_s = urgent_buffer_s
         self.step_code_budget = step_code_budget  # "deadline": rows x chunk codes per step
+        self.urgent_step_code_budget = urgent_step_code_budget  # the same while some listener is urgent
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "fifo" | "finish", streams, s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._streams: list[BatchedStream] = []
@@ -266,13 +273,17 @@ class VocoderBatcher:
         fresh = sorted((s for s in sizes if s.first_pcm_at is None), key=lambda s: s.pending_since)
         playing = sorted((s for s in sizes if s.first_pcm_at is not None),
                          key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
+        budget = self.step_code_budget
+        if self.urgent_step_code_budget is not None and any(
+                s.buffer_s(now, self.sample_rate) < self.urgent_buffer_s for s in playing):
+            budget = self.urgent_step_code_budget
         picked: list[BatchedStream] = []
         largest = 0
         for s in fresh + playing:
             if len(picked) == self.max_batch_size:
                 break
             codes = max(largest, sizes[s])  # the step pads every chunk to its largest
-            if picked and self.vocoder.bucket_rows(len(picked) + 1) * codes > self.step_code_budget:
+            if picked and self.vocoder.bucket_rows(len(picked) + 1) * codes > budget:
                 continue  # a smaller chunk further down may still fit
             picked.append(s)
             largest = codes

@@ -79,8 +79,8 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
 @pytest.mark.parametrize(("args", "fragment"), [
     ({"llm_options": {"num_cpu": 1}}, "unknown deployment option(s) ['num_cpu']"),
     ({"llm_options": {"num_cpus": -1}}, "num_cpus must be a number >= 0"),
-    ({"llm_options": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 50}}}, "env_vars must map variable names "
-                                                                               "to strings"),
+    ({"llm_options": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 50}}},
+     "env_vars must map variable names to strings"),
     ({"vocoder_options": {"env_vars": ["A=1"]}}, "env_vars must map variable names to strings"),
     ({"engine": {"device": "cpu"}}, "engine.model is required"),
     ({"vocoder_preset": "huge"}, "'tiny' or 'full'"),
@@ -90,6 +90,8 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [0]}, "vocoder_warmup_rows must all be >= 1"),
     ({"vocoder_reserved_sessions": -1}, "greater than or equal to 0"),
     ({"vocoder_chunk_schedule_codes": [3, 0]}, "vocoder_chunk_schedule_codes must be non-empty sizes >= 1"),
+    ({"vocoder_step_code_budget": 128, "vocoder_urgent_step_code_budget": 64},
+     "vocoder_urgent_step_code_budget (64) must be at least vocoder_step_code_budget (128)"),
 ])
 def test_bad_app_args_are_rejected(args: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:

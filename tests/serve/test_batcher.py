@@ -114,7 +114,8 @@ def test_fifo_max_batch_size_takes_the_longest_waiting_streams_first() -> None:
 
 
 def test_batcher_options_are_validated() -> None:
-    for kwargs in ({"urgent_buffer_s": -1.0}, {"policy": "buffer"}, {"step_code_budget": 0}):
+    for kwargs in ({"urgent_buffer_s": -1.0}, {"policy": "buffer"}, {"step_code_budget": 0},
+                   {"step_code_budget": 8, "urgent_step_code_budget": 4}):
         with pytest.raises(ValueError, match="urgent_buffer_s|policy|step_code_budget"):
             VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000, **kwargs)
     assert VocoderBatcher(RecordingVocoder(), max_batch_size=4, sample_rate=24000).policy == "deadline"
@@ -247,6 +248,11 @@ def test_deadline_pick_takes_newcomers_then_deadlines_while_the_padded_step_fits
         vocoder.pad_rows = False
         batcher.step_code_budget = 2  # smaller than one chunk: the first stream still goes, alone
         assert batcher.pick(now) == ("urgent", [s["b"]])
+        batcher.urgent_step_code_budget = 10  # b has 0.25 s buffered (< 0.5): the urgent budget applies
+        assert batcher.pick(now) == ("urgent", [s["b"], s["e"], s["c"]])
+        s["b"].num_samples = 320  # now b has 1.5 s and nobody is under 0.5 s: back to the budget of 2
+        assert batcher.pick(now) == ("background", [s["e"]])
+        s["b"].num_samples, batcher.urgent_step_code_budget = 160, None
         for name in "bce":
             s[name].session.emitted, s[name].session.chunks = 5, 2  # their next chunks now wait for codes
         assert batcher.pick(now) == ("background", [s["d"]])  # buffer 1.0 >= 0.5
