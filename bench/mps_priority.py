@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -32,16 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.measure import percentiles  # the repo root is on sys.path now
+
 MPS_DIR = Path("/tmp/mps-priority")
-
-
-def percentiles(values: list[float]) -> dict:
-    import statistics
-
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    return {"n": len(ordered), "p50": round(pick(0.5), 3), "p90": round(pick(0.9), 3),
-            "p99": round(pick(0.99), 3), "mean": round(statistics.fmean(ordered), 3)}
 
 
 # ---------------------------------------------------------------- workloads (run in child processes)
@@ -91,7 +87,7 @@ def victim(args: argparse.Namespace, work: Path) -> None:
     x.copy_(x0)
     torch.cuda.synchronize()
     (work / "window_start").write_text(str(time.time()))
-    times, rng = [], __import__("random").Random(0)
+    times, rng = [], random.Random(0)
     for _ in range(args.victim_steps):
         times.append(step())
         time.sleep(rng.uniform(0, 2 * args.victim_gap_ms) / 1e3)

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`, `env_vars` (name -> string) into its
 # `runtime_env` (the replica's process starts with them: e.g. `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read when
 # CUDA initialises, docs/operations.md); the rest are `@serve.deployment` kwargs.
-ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory", "env_vars"})
+ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory"})
+ENV_OPTION_KEY = "env_vars"
 DEPLOYMENT_OPTION_KEYS = frozenset({
     "num_replicas", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
     "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s",
@@ -27,14 +28,14 @@ DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"num_cpus": 0.25, "max_ongoing_reques
 
 
 def _check_options(value: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(value) - ACTOR_OPTION_KEYS - DEPLOYMENT_OPTION_KEYS
+    allowed = ACTOR_OPTION_KEYS | DEPLOYMENT_OPTION_KEYS | {ENV_OPTION_KEY}
+    unknown = set(value) - allowed
     if unknown:
-        raise ValueError(f"unknown deployment option(s) {sorted(unknown)}; allowed: "
-                         f"{sorted(ACTOR_OPTION_KEYS | DEPLOYMENT_OPTION_KEYS)}")
+        raise ValueError(f"unknown deployment option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     for key in ("num_cpus", "num_gpus"):
         if key in value and (not isinstance(value[key], int | float) or value[key] < 0):
             raise ValueError(f"{key} must be a number >= 0, got {value[key]!r}")
-    env = value.get("env_vars", {})
+    env = value.get(ENV_OPTION_KEY, {})
     if not isinstance(env, dict) or not all(
             isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()):
         raise ValueError(f"env_vars must map variable names to strings (quote numbers in YAML), got {env!r}")
@@ -150,9 +151,9 @@ class AppArgs(BaseModel):
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split user options into (`@serve.deployment` kwargs, `ray_actor_options`)."""
-    actor = {k: v for k, v in options.items() if k in ACTOR_OPTION_KEYS - {"env_vars"} and v is not None}
-    if options.get("env_vars"):
-        actor["runtime_env"] = {"env_vars": dict(options["env_vars"])}
+    actor = {k: v for k, v in options.items() if k in ACTOR_OPTION_KEYS and v is not None}
+    if options.get(ENV_OPTION_KEY):
+        actor["runtime_env"] = {"env_vars": dict(options[ENV_OPTION_KEY])}
     deployment = {k: v for k, v in options.items() if k in DEPLOYMENT_OPTION_KEYS}
     if "num_cpus" not in actor:
         # Every replica asks for a whole CPU unless told otherwise; on a 2-core machine three

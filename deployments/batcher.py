@@ -13,8 +13,8 @@ chunk; least first). Each joins the step while its padded size, rows (as the voc
 `bucket_rows`) x the largest chunk's codes, stays within `step_code_budget`; one that does not fit is
 passed over for smaller chunks further down, and the first always goes. While some listener has less than
 `urgent_buffer_s` buffered, the budget is `urgent_step_code_budget` instead (by default the same): small
-steps keep a newcomer's wait short, larger ones move more audio per GPU second when streams run behind. A stream whose codes have all
-arrived and whose scheduled chunks are all computed ends in such a step too (`step(finish=...)`: its
+steps keep a newcomer's wait short, larger ones move more audio per GPU second when streams run behind.
+A stream whose codes have all arrived and whose scheduled chunks are all computed ends in such a step too (`step(finish=...)`: its
 tail is one more chunk, of its unvocoded codes), not in a call of its own. So no step grows past the
 budget (a newcomer waits for at most one such step), and the steady streams' chunks and ends share the
 steps that newcomers need anyway. A step is reported as "first" when it leads with a newcomer, else
@@ -274,8 +274,8 @@ class VocoderBatcher:
         playing = sorted((s for s in sizes if s.first_pcm_at is not None),
                          key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
         budget = self.step_code_budget
-        if self.urgent_step_code_budget is not None and any(
-                s.buffer_s(now, self.sample_rate) < self.urgent_buffer_s for s in playing):
+        if (self.urgent_step_code_budget is not None and playing  # least buffered first: is it urgent?
+                and playing[0].buffer_s(now, self.sample_rate) < self.urgent_buffer_s):
             budget = self.urgent_step_code_budget
         picked: list[BatchedStream] = []
         largest = 0
