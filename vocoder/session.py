@@ -37,6 +37,7 @@ class VocoderSession:
     # low latency: the last samples computed before `emitted_frames`, not yet returned (crossfaded later)
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     is_closed: bool = False
+    lane: int = 0  # the StreamingVocoder lane of its last call (its tensors were made on that lane's stream)
 
     @property
     def num_prompt_codes(self) -> int:

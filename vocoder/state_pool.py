@@ -6,6 +6,8 @@ batched step reads and writes every session's state with one index op per layer 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -30,6 +32,7 @@ class FlowStatePool:
         self.tensors = [self._zeros(capacity, c, ctx) for c, ctx in shapes]
         self.free_slots = list(range(capacity - 1, -1, -1))
         self.generation = 0  # bumped when the tensors are reallocated (captured graphs must be dropped)
+        self._lock = threading.Lock()  # slots are taken and given back from more than one thread (lanes)
 
     def _zeros(self, capacity: int, channels: int, context: int) -> torch.Tensor:
         return torch.zeros(
@@ -55,8 +58,9 @@ class FlowStatePool:
     def reserve(self, capacity: int) -> None:
         """Grow to at least `capacity` slots now, so no later `allocate` has to (which would drop every
         captured graph that reads the pool)."""
-        if capacity > self.capacity:
-            self._grow(capacity)
+        with self._lock:
+            if capacity > self.capacity:
+                self._grow(capacity)
 
     def _grow(self, new: int) -> None:
         old = self.capacity
@@ -69,17 +73,19 @@ class FlowStatePool:
 
     def allocate(self) -> int:
         """A zeroed slot; doubles the pool when full."""
-        if not self.free_slots:
-            self._grow(max(1, 2 * self.capacity))
-        slot = self.free_slots.pop()
+        with self._lock:
+            if not self.free_slots:
+                self._grow(max(1, 2 * self.capacity))
+            slot = self.free_slots.pop()
         for t in self.tensors:
             t[slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
         """Give a slot back."""
-        assert slot not in self.free_slots, slot
-        self.free_slots.append(slot)
+        with self._lock:
+            assert slot not in self.free_slots, slot
+            self.free_slots.append(slot)
 
     def read(self, slots: torch.Tensor, step: int) -> list[torch.Tensor]:
         """Caches of Euler step `step` for `slots` [B]: list of [branches*B, C, ctx], branch-major rows."""

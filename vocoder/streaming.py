@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,19 @@ def _codes_covering(frames: int) -> int:
     return -(-frames // _F)
 
 
+class _Lane:
+    """Where a step runs: a CUDA stream (None: the caller's current stream), the per-chunk tensor functions
+    (graph-replaying wrappers after `use_cuda_graphs`, each lane with graphs of its own) and a padding slot."""
+
+    def __init__(self, fns: tuple[Callable, Callable, Callable], stream: torch.cuda.Stream | None = None):
+        self.stream = stream
+        self.lock = threading.Lock()  # one call at a time per lane (its graphs' static buffers)
+        self.encode, self.flow_step, self.generate = fns
+        self.graphed: list[GraphedFunction] = []
+        self.scratch_slot: int | None = None  # with bucket_shapes: padding rows read and write their caches here
+        self.pool_generation = 0  # the state pool's generation its flow graphs were captured against
+
+
 def _pdl_scoped(fn: Callable, mode: str) -> Callable:
     """`fn` with its Triton kernels launched in PDL `mode` (captured graphs keep the launch attributes)."""
     if mode == "off":
@@ -58,8 +73,10 @@ class StreamingVocoder:
     latency "exact": it equals `decode_whole` on the same codes within float rounding. latency "low"
     (default): chunks leave after their codes' encoder lookahead, with crossfaded ends; the audio is a
     function of the codes alone (not of push sizes or batch neighbours) and stays close to `decode_whole`
-    (docs/vocoder.md states the measured bound). Not thread-safe: drive one instance from one thread
-    (or event loop) at a time.
+    (docs/vocoder.md states the measured bound). Not thread-safe, with one exception: drive one instance
+    from one thread (or event loop) at a time, except that steps on different lanes (`add_lane`) may run
+    on different threads at once (calls on one lane wait for each other), as long as no session is in two
+    calls at once. `open` runs on a lane like a step; `close` may come from any thread.
     """
 
     def __init__(
@@ -118,13 +135,15 @@ class StreamingVocoder:
         self._voice_mel: dict[str, tuple[Voice, torch.Tensor]] = {}
         # (voice name, seed) -> (voice, pool caches, flow_cursor, codes, codes_start) after priming, LRU order
         self._primed: OrderedDict[tuple[str, int], tuple] = OrderedDict()
+        self._primed_lock = threading.Lock()  # opens on different lanes may run at once
         self.num_primed_hits = 0
-        # Per-chunk tensor functions; `use_cuda_graphs` swaps in graph-replaying wrappers.
-        self._encode, self._flow_step, self._generate = (
-            _pdl_scoped(fn, self.pdl) for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
-        )
-        self._graphed: list[GraphedFunction] = []
-        self._scratch_slot: int | None = None
+        # Lane 0 runs on the caller's stream; `add_lane` adds others. Each holds its per-chunk tensor
+        # functions, which `use_cuda_graphs` swaps for graph-replaying wrappers.
+        self._lanes = [_Lane(self._plain_fns())]
+        self._graph_options: tuple[int, bool] | None = None  # (max_graphs, bucket_shapes) once graphs are on
+        self._gate = threading.Condition()  # lane calls in progress against a pool growth (`_exclusive`)
+        self._busy = 0
+        self._growing = False
         self._bucket_shapes = False
         self._code_buckets = sorted(set(config.stream.chunk_schedule_codes) | {2**i for i in range(13)})
         base, schedule = self.left_context + self.right_context, config.stream.chunk_schedule_codes
@@ -134,7 +153,6 @@ class StreamingVocoder:
             | {base + self._overlap_frames + _F * k for k in schedule[1:]}
             | {2**i for i in range(16)}
         )
-        self._graph_pool_generation = self.pool.generation
 
     def _enable_triton_kernels(self, requested: bool | None) -> bool:
         """Fused anti-aliased activations in BigVGAN; in the estimator chunk attention, fused LayerNorm +
@@ -162,29 +180,149 @@ class StreamingVocoder:
         shapes seen once stay eager. On CPU the same static-buffer path runs without graphs (tests).
         `bucket_shapes` pads every step to ROW_BUCKETS rows and bucketed code counts, so fewer shapes are
         captured at the cost of padding; with `warm_up` it bounds what must be captured before traffic.
-        max_graphs (per function) None: 128 with bucket_shapes (a bounded set), else 32.
+        max_graphs (per function and lane) None: 128 with bucket_shapes (a bounded set), else 32.
         """
         if max_graphs is None:
             max_graphs = 128 if bucket_shapes else 32
-        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        self._graphed = [
-            GraphedFunction(_pdl_scoped(fn, self.pdl), max_graphs=max_graphs, pool=pool)
-            for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
-        ]
-        self._encode, self._flow_step, self._generate = self._graphed
+        self._graph_options = (max_graphs, bucket_shapes)
         self._bucket_shapes = bucket_shapes
-        if bucket_shapes and self._scratch_slot is None:  # padding rows read and write their caches here
-            self._scratch_slot = self.pool.allocate()
-        self._graph_pool_generation = self.pool.generation
+        for lane in self._lanes:
+            self._graph_lane(lane)
+
+    def _plain_fns(self) -> tuple[Callable, Callable, Callable]:
+        return tuple(  # type: ignore[return-value]
+            _pdl_scoped(fn, self.pdl) for fn in (self.flow.encoder, self._solve_from_pool, self.generator)
+        )
+
+    def _graph_lane(self, lane: _Lane) -> None:
+        """Graph-replaying functions for `lane` (their own memory pool: lanes replay at the same time)."""
+        assert self._graph_options is not None
+        max_graphs, bucket_shapes = self._graph_options
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        lane.graphed = [GraphedFunction(fn, max_graphs=max_graphs, pool=pool) for fn in self._plain_fns()]
+        lane.encode, lane.flow_step, lane.generate = lane.graphed
+        if bucket_shapes and lane.scratch_slot is None:
+            with self._exclusive():
+                lane.scratch_slot = self.pool.allocate()
+        lane.pool_generation = self.pool.generation
+
+    def add_lane(self, priority: int = -1) -> int:
+        """A lane whose steps may run on another thread while lane 0's run: on CUDA a stream of its own at
+        `priority` (lower is more urgent, PyTorch clamps it to the device's range), so a small urgent step
+        (a stream's first chunk) is scheduled ahead of a large step in flight instead of waiting for it.
+        Its graphs are separate (captured by `warm_up(..., lane=)` or on second sighting). Returns the lane's
+        index for `step`, `finish_many` and `warm_up`."""
+        stream = torch.cuda.Stream(self.device, priority=priority) if self.device.type == "cuda" else None
+        lane = _Lane(self._plain_fns(), stream)
+        if self._graph_options is not None:
+            self._graph_lane(lane)
+        self._lanes.append(lane)
+        return len(self._lanes) - 1
+
+    @property
+    def num_lanes(self) -> int:
+        """Lanes: 1 + those `add_lane` added."""
+        return len(self._lanes)
+
+    # Lane 0's functions under their historical names (bench/vocoder_profile.py swaps them to time stages).
+    @property
+    def _encode(self) -> Callable:
+        return self._lanes[0].encode
+
+    @_encode.setter
+    def _encode(self, fn: Callable) -> None:
+        self._lanes[0].encode = fn
+
+    @property
+    def _flow_step(self) -> Callable:
+        return self._lanes[0].flow_step
+
+    @_flow_step.setter
+    def _flow_step(self, fn: Callable) -> None:
+        self._lanes[0].flow_step = fn
+
+    @property
+    def _generate(self) -> Callable:
+        return self._lanes[0].generate
+
+    @_generate.setter
+    def _generate(self, fn: Callable) -> None:
+        self._lanes[0].generate = fn
+
+    @property
+    def _graphed(self) -> list[GraphedFunction]:
+        """Lane 0's graphed functions (encoder, flow solve, BigVGAN); empty without graphs."""
+        return self._lanes[0].graphed
+
+    @property
+    def _num_scratch_slots(self) -> int:
+        return sum(lane.scratch_slot is not None for lane in self._lanes)
+
+    def _check_lane(self, index: int) -> int:
+        if not 0 <= index < len(self._lanes):
+            raise ValueError(f"lane must be in [0, {len(self._lanes)}), got {index}")
+        return index
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """No lane call runs inside the block (the state pool may be reallocated in it)."""
+        with self._gate:
+            while self._growing:
+                self._gate.wait()
+            self._growing = True
+            while self._busy:
+                self._gate.wait()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._growing = False
+                self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def _in_lane(self, index: int, sessions: Sequence[VocoderSession] = ()) -> Iterator[_Lane]:
+        """Run the block on lane `index` (its stream current); with several lanes, wait for the lane's work
+        before leaving, so a session's next call may be on another lane."""
+        lane = self._lanes[self._check_lane(index)]
+        with lane.lock, self._lane_busy():
+            if self.device.type != "cuda":
+                yield lane
+                return
+            stream = lane.stream or torch.cuda.current_stream(self.device)
+            for s in sessions:  # tensors made on another lane's stream: the allocator must not reuse their
+                if s.lane != index:  # memory there while this stream may still read them
+                    s.mel.record_stream(stream)
+                    s.speaker.record_stream(stream)
+                    s.lane = index
+            with torch.cuda.stream(stream):
+                yield lane
+                if len(self._lanes) > 1:
+                    stream.synchronize()
+
+    @contextlib.contextmanager
+    def _lane_busy(self) -> Iterator[None]:
+        """Counts a lane call in progress (a pool growth waits for none)."""
+        with self._gate:
+            while self._growing:
+                self._gate.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._busy -= 1
+                self._gate.notify_all()
 
     def reserve_sessions(self, num_sessions: int) -> None:
         """Allocate flow state for `num_sessions` open sessions now. The state pool otherwise doubles when
         full, and each growth drops the captured flow graphs (they read the pool's tensors), which are
         then captured again under load."""
-        self.pool.reserve(num_sessions + (self._scratch_slot is not None))
+        with self._exclusive():
+            self.pool.reserve(num_sessions + self._num_scratch_slots)
 
     def warm_up(
-        self, rows: Sequence[int], *, voice: str = "default", seed: int = 0, push_sizes: Sequence[int] = (1,)
+        self, rows: Sequence[int], *, voice: str = "default", seed: int = 0, push_sizes: Sequence[int] = (1,),
+        lane: int = 0,
     ) -> dict[str, float]:
         """Capture, before any traffic, the graphs of the steps that `r` streams in lockstep take through
         the chunk schedule, for every r in `rows` (with `bucket_shapes`, give the ROW_BUCKETS to cover).
@@ -193,10 +331,12 @@ class StreamingVocoder:
         one per step, as when the vocoder keeps up) and finish; shapes are captured on their first
         sighting here. One length runs the whole schedule and its repeating last chunk; the others end
         so that the tail a finish computes takes every (bucketed) size it can take. Needs
-        `use_cuda_graphs()`. Returns the graphs captured, the steps run and the seconds it took.
+        `use_cuda_graphs()`. `lane`: the lane whose graphs to capture (the streams still open on lane 0).
+        Returns the graphs captured, the steps run and the seconds it took.
         """
         if not self._graphed:
             raise RuntimeError("warm_up captures graphs: call use_cuda_graphs() first")
+        graphed = self._lanes[self._check_lane(lane)].graphed
         if not rows or min(rows) < 1 or not push_sizes or min(push_sizes) < 1:
             raise ValueError(f"rows and push_sizes must be non-empty and >= 1, got {rows}, {push_sizes}")
         schedule = self.config.stream.chunk_schedule_codes
@@ -212,26 +352,26 @@ class StreamingVocoder:
         codes = [(7919 * i + 13) % NUM_AUDIO_CODES for i in range(max(lengths))]  # shapes ignore the values
         self.reserve_sessions(self.num_open_sessions + max(rows))
         graphs_before, t0, steps = self.graph_stats["num_graphs"], time.perf_counter(), 0
-        saved = [g.capture_after_calls for g in self._graphed]
-        for g in self._graphed:
+        saved = [g.capture_after_calls for g in graphed]
+        for g in graphed:
             g.capture_after_calls = 1
         try:
-            # the priming of a (voice, seed) not seen before, as a request with a new seed runs it
-            cold_seed = next(n for n in itertools.count(seed + 1) if (voice, n) not in self._primed)
-            self.close(self.open(voice, seed=cold_seed))
-            self._primed.pop((voice, cold_seed), None)
+            if lane == 0:  # the priming of a (voice, seed) not seen before, as a request with a new seed runs it
+                cold_seed = next(n for n in itertools.count(seed + 1) if (voice, n) not in self._primed)
+                self.close(self.open(voice, seed=cold_seed))
+                self._primed.pop((voice, cold_seed), None)
             for r, size, num_codes in itertools.product(sorted(set(rows)), push_sizes, lengths):
                 sessions = [self.open(voice, seed=seed) for _ in range(r)]
                 try:
                     for i in range(0, num_codes, size):
-                        self.step([(s, codes[i : i + size]) for s in sessions])
+                        self.step([(s, codes[i : i + size]) for s in sessions], lane=lane)
                         steps += 1
-                    self.finish_many(sessions)
+                    self.finish_many(sessions, lane=lane)
                 finally:
                     for s in sessions:
                         self.close(s)
         finally:
-            for g, n in zip(self._graphed, saved):
+            for g, n in zip(graphed, saved):
                 g.capture_after_calls = n
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -243,11 +383,13 @@ class StreamingVocoder:
 
     @property
     def graph_stats(self) -> dict[str, int]:
-        """Captured graphs, replays and eager calls over all graphed functions (zeros without graphs)."""
+        """Captured graphs, replays and eager calls over all graphed functions of every lane (zeros without
+        graphs)."""
+        graphed = [g for lane in self._lanes for g in lane.graphed]
         return {
-            "num_graphs": sum(g.num_graphs for g in self._graphed),
-            "num_replays": sum(g.num_replays for g in self._graphed),
-            "num_eager_calls": sum(g.num_eager_calls for g in self._graphed),
+            "num_graphs": sum(g.num_graphs for g in graphed),
+            "num_replays": sum(g.num_replays for g in graphed),
+            "num_eager_calls": sum(g.num_eager_calls for g in graphed),
         }
 
     @classmethod
@@ -298,22 +440,26 @@ class StreamingVocoder:
 
     # ---------------------------------------------------------------- sessions
 
-    def open(self, voice: str = "default", *, seed: int = 0) -> VocoderSession:
+    def open(self, voice: str = "default", *, seed: int = 0, lane: int = 0) -> VocoderSession:
         """Start a stream conditioned on `voice`; noise is a function of (seed, frame) only."""
-        return self.open_many([(voice, seed)])[0]
+        return self.open_many([(voice, seed)], lane=lane)[0]
 
-    def open_many(self, specs: Sequence[tuple[str, int]]) -> list[VocoderSession]:
+    def open_many(self, specs: Sequence[tuple[str, int]], *, lane: int = 0) -> list[VocoderSession]:
         """Batched `open` for (voice, seed) pairs (extension of the contract): one priming forward.
 
         Priming (the flow over the voice's prompt codes) is a function of (voice, seed) alone, so its
         result is kept for the last `PRIMED_CACHE_SIZE` pairs and copied into the next session of the same
-        pair instead of being computed again (`num_primed_hits` counts those).
+        pair instead of being computed again (`num_primed_hits` counts those). `lane`: where the priming
+        runs (`add_lane`).
         """
+        self._check_lane(lane)
         voices = [self.voices.get(name) for name, _ in specs]
         for _, seed in specs:
             check_seed(seed)
+        if len(self._lanes) > 1 and self.pool.num_used + len(specs) > self.pool.capacity:
+            self.reserve_sessions(2 * self.pool.capacity)  # grow while no lane runs, not inside `allocate`
         sessions = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self._in_lane(lane):
             for v, (_, seed) in zip(voices, specs):
                 p = v.num_prompt_codes
                 mel_start = max(0, _F * p - self.left_context)
@@ -331,13 +477,17 @@ class StreamingVocoder:
                         mel=self._prompt_mel(v)[:, mel_start:],
                         mel_start=mel_start,
                         emitted_frames=_F * p,
+                        lane=lane,
                     )
                 )
-            cold = [s for s in sessions if not self._restore_primed(s)]
+            with self._primed_lock:
+                cold = [s for s in sessions if not self._restore_primed(s)]
             # Prime the flow over the prompt now, so later steps carry only new frames.
-            self._advance_flow(cold, [max(0, s.num_prompt_codes - LOOKAHEAD_CODES) for s in cold])
-            for s in cold:
-                self._keep_primed(s)
+            self._advance_flow(cold, [max(0, s.num_prompt_codes - LOOKAHEAD_CODES) for s in cold],
+                               self._lanes[lane])
+            with self._primed_lock:
+                for s in cold:
+                    self._keep_primed(s)
         return sessions
 
     def _restore_primed(self, s: VocoderSession) -> bool:
@@ -348,6 +498,9 @@ class StreamingVocoder:
         self._primed.move_to_end((s.voice.name, s.seed))
         _, caches, flow_cursor, codes, codes_start = entry
         self.pool.restore(s.slot, caches)
+        if self.device.type == "cuda":  # another lane's open may drop this entry before the copy has run
+            for saved in caches:
+                saved.record_stream(torch.cuda.current_stream(self.device))
         s.flow_cursor, s.codes, s.codes_start = flow_cursor, list(codes), codes_start
         self.num_primed_hits += 1
         return True
@@ -369,10 +522,11 @@ class StreamingVocoder:
         """Flush the rest of the stream and close the session."""
         return self.finish_many([session])[0]
 
-    def finish_many(self, sessions: Sequence[VocoderSession]) -> list[np.ndarray]:
-        """Batched `finish` (extension of the contract)."""
+    def finish_many(self, sessions: Sequence[VocoderSession], *, lane: int = 0) -> list[np.ndarray]:
+        """Batched `finish` (extension of the contract), on `lane` (`add_lane`)."""
         self._check_sessions(sessions)
-        out = self._run(list(sessions), finishing=[True] * len(sessions))
+        with self._in_lane(lane, sessions) as on:
+            out = self._run(on, list(sessions), finishing=[True] * len(sessions))
         for s in sessions:
             self.close(s)
         return out
@@ -397,7 +551,7 @@ class StreamingVocoder:
     @property
     def num_open_sessions(self) -> int:
         """Sessions opened and not yet finished or closed."""
-        return self.pool.num_used - (self._scratch_slot is not None)
+        return self.pool.num_used - self._num_scratch_slots
 
     def bucket_rows(self, n: int) -> int:
         """Batch rows a step runs with: n; with `bucket_shapes` the smallest of ROW_BUCKETS (then
@@ -427,6 +581,7 @@ class StreamingVocoder:
         *,
         max_chunks: int | None = None,
         finish: Collection[VocoderSession] = (),
+        lane: int = 0,
     ) -> list[np.ndarray]:
         """Push codes to several sessions and run them as one batch; PCM per work item, in order.
 
@@ -437,11 +592,13 @@ class StreamingVocoder:
         `finish`: sessions of `work` whose stream ends here: their PCM is the rest of the stream (as
         `finish` gives it, after their codes are pushed) and they are closed, in the same batch as the
         others' chunks instead of a call of their own.
+        `lane`: which lane runs it (`add_lane`; 0 is the caller's stream).
         """
         if max_chunks is not None and max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1 or None, got {max_chunks}")
         sessions = [s for s, _ in work]
         self._check_sessions(sessions)
+        self._check_lane(lane)
         ending_ids = {id(s) for s in finish}
         if not ending_ids <= {id(s) for s in sessions}:
             raise ValueError("finish names a session that is not in work")
@@ -450,7 +607,8 @@ class StreamingVocoder:
             session.codes.extend(codes)
             session.num_codes += len(codes)
         ending = [id(s) in ending_ids for s in sessions]
-        out = self._run(sessions, finishing=ending, max_chunks=max_chunks)
+        with self._in_lane(lane, sessions) as on:
+            out = self._run(on, sessions, finishing=ending, max_chunks=max_chunks)
         for s, ends in zip(sessions, ending):
             if ends:
                 self.close(s)
@@ -525,7 +683,7 @@ class StreamingVocoder:
         return [target] if target - s.emitted_frames >= _F * need else []
 
     def _run(
-        self, sessions: list[VocoderSession], finishing: list[bool], max_chunks: int | None = None
+        self, lane: _Lane, sessions: list[VocoderSession], finishing: list[bool], max_chunks: int | None = None
     ) -> list[np.ndarray]:
         """Chunks of `sessions` (all the rest of the stream where `finishing`) in one batch."""
         plans = [self._chunk_ends(s, True) if ends else self._chunk_ends(s, False)[:max_chunks]
@@ -543,8 +701,8 @@ class StreamingVocoder:
                 else min(sessions[i].num_codes - LOOKAHEAD_CODES, _codes_covering(plans[i][-1] + self.right_context))
                 for i in ready
             ]
-            self._advance_flow([sessions[i] for i in ready], flow_targets)
-            pcm = self._vocode([sessions[i] for i in ready], [plans[i] for i in ready])
+            self._advance_flow([sessions[i] for i in ready], flow_targets, lane)
+            pcm = self._vocode([sessions[i] for i in ready], [plans[i] for i in ready], lane)
         for i, wav in zip(ready, pcm):
             out[i] = wav
         return out
@@ -567,11 +725,12 @@ class StreamingVocoder:
         mel, new_caches = self.flow.solve(mu, speaker, cond, noise, caches, valid)
         return mel, [torch.stack(layer) for layer in zip(*new_caches)]
 
-    def _advance_flow(self, sessions: list[VocoderSession], targets: list[int]) -> None:
+    def _advance_flow(self, sessions: list[VocoderSession], targets: list[int], lane: _Lane | None = None) -> None:
         """Encoder + Euler integration for code positions [flow_cursor, target) of each session, batched."""
         work = [(s, t) for s, t in zip(sessions, targets) if t > s.flow_cursor]
         if not work:
             return
+        lane = lane or self._lanes[0]
         starts = [max(s.codes_start, s.flow_cursor - self.history_codes) for s, _ in work]
         # codes past target + lookahead cannot change frames before the target: left out of the window
         windows = [s.codes[w - s.codes_start : t + LOOKAHEAD_CODES - s.codes_start] for (s, t), w in zip(work, starts)]
@@ -585,7 +744,7 @@ class StreamingVocoder:
         codes = to_device(torch.from_numpy(codes_np), self.device)
         lengths = [len(w) for w in windows] + [n_max] * (rows - len(work))
         num_valid = to_device(torch.tensor(lengths), self.device)
-        mu_all = self._encode(codes, num_valid)[: len(work)]  # [B, 80, 4 * n_max]
+        mu_all = lane.encode(codes, num_valid)[: len(work)]  # [B, 80, 4 * n_max]
 
         new_frames = [_F * (t - s.flow_cursor) for s, t in work]
         t_max = _F * self._bucket_codes(max(new_frames) // _F)
@@ -605,16 +764,16 @@ class StreamingVocoder:
         speaker = torch.stack([s.speaker for s, _ in work])  # [B, 80]
         slots = to_device(torch.tensor([s.slot for s, _ in work]), self.device)
         valid = to_device(torch.tensor(new_frames), self.device)
-        if self._graphed and self.pool.generation != self._graph_pool_generation:
-            self._graphed[1].reset()  # the pool grew: graphs read its old tensors
-            self._graph_pool_generation = self.pool.generation
+        if lane.graphed and self.pool.generation != lane.pool_generation:
+            lane.graphed[1].reset()  # the pool grew: graphs read its old tensors
+            lane.pool_generation = self.pool.generation
         pad = self.bucket_rows(len(work)) - len(work)
         if pad:  # rows of zeros on the scratch slot, so the batch keeps a captured shape
             mu, cond, noise = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (mu, cond, noise))
             speaker = torch.cat([speaker, speaker.new_zeros(pad, speaker.shape[1])])
-            slots = torch.cat([slots, slots.new_full((pad,), self._scratch_slot)])
+            slots = torch.cat([slots, slots.new_full((pad,), lane.scratch_slot)])
             valid = torch.cat([valid, valid.new_full((pad,), t_max)])
-        mel, stacked = self._flow_step(mu, speaker, cond, noise, slots, valid)  # mel [B, 80, T]
+        mel, stacked = lane.flow_step(mu, speaker, cond, noise, slots, valid)  # mel [B, 80, T]
         self.pool.write_steps(slots, stacked)
         mel = mel.float()  # one conversion for all rows
 
@@ -629,7 +788,7 @@ class StreamingVocoder:
             s.codes = s.codes[keep_from - s.codes_start :]
             s.codes_start = keep_from
 
-    def _vocode(self, sessions: list[VocoderSession], plans: list[list[int]]) -> list[np.ndarray]:
+    def _vocode(self, sessions: list[VocoderSession], plans: list[list[int]], lane: _Lane) -> list[np.ndarray]:
         """BigVGAN over each chunk's window; returns per session the samples that leave now.
 
         A chunk [a, e) (frames) whose session holds back h samples is vocoded over
@@ -672,7 +831,7 @@ class StreamingVocoder:
             for row, r in enumerate(batch):
                 s, (_, _, _, start, stop) = sessions[rows[r][0]], rows[r]
                 mel[row, :, t_max - (stop - start) :] = s.mel[:, start - s.mel_start : stop - s.mel_start]
-            wav = _to_host(self._generate(mel.to(self.dtype))[:, 0, :])  # [B, T * 480]
+            wav = _to_host(lane.generate(mel.to(self.dtype))[:, 0, :])  # [B, T * 480]
             assert wav.shape[1] == t_max * HOP_LENGTH, (wav.shape, t_max)
             for row, r in enumerate(batch):
                 _, out0, end, start, stop = rows[r]
