@@ -134,7 +134,8 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
                         "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s", "vocoder_batching",
-                        "vocoder_step_code_budget", "vocoder_urgent_step_code_budget")}
+                        "vocoder_step_code_budget", "vocoder_urgent_step_code_budget",
+                        "vocoder_fast_lane_code_budget")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -166,6 +167,8 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
                        if k in vocoder_kwargs}
     if "batching" in vocoder_kwargs:
         batcher_options["policy"] = vocoder_kwargs.pop("batching")
+    if vocoder_kwargs.get("fast_lane_code_budget") is not None:  # the vocoder's second lane, the batcher's loop
+        batcher_options["fast_lane_code_budget"] = vocoder_kwargs["fast_lane_code_budget"]
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
     vocoder, warm = build_for_serving(**vocoder_kwargs)  # as deployments/vocoder_server.py builds it

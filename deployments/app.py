@@ -79,11 +79,13 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "warmup_rows": args.vocoder_warmup_rows,
                       "reserved_sessions": args.vocoder_reserved_sessions,
                       "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
-                      "triton_kernels": args.vocoder_triton_kernels}
+                      "triton_kernels": args.vocoder_triton_kernels,
+                      "fast_lane_code_budget": args.vocoder_fast_lane_code_budget}
     llm_app = llm.bind(dict(args.engine))
     streaming = {"codes_batch_s": args.codes_batch_s, "policy": args.vocoder_batching,
                  "urgent_buffer_s": args.vocoder_urgent_buffer_s,
                  "step_code_budget": args.vocoder_step_code_budget,
-                 "urgent_step_code_budget": args.vocoder_urgent_step_code_budget}
+                 "urgent_step_code_budget": args.vocoder_urgent_step_code_budget,
+                 "fast_lane_code_budget": args.vocoder_fast_lane_code_budget}
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

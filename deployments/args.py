@@ -87,6 +87,10 @@ class AppArgs(BaseModel):
     # same); larger steps move more audio per GPU second when streams run behind.
     vocoder_urgent_step_code_budget: int | None = Field(default=None, ge=1)
     vocoder_urgent_buffer_s: float = Field(default=0.5, ge=0)
+    # A fast lane ("deadline" only; deployments/batcher.py): a second worker thread and CUDA stream that
+    # open sessions and step newcomers and urgent listeners in steps of at most this many padded code rows
+    # while the main step runs, instead of after it. None: one lane.
+    vocoder_fast_lane_code_budget: int | None = Field(default=None, ge=1)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
     # costs ~0.2-1 ms of CPU: one item per decode step per stream saturates a replica at a few thousand
@@ -135,6 +139,8 @@ class AppArgs(BaseModel):
     def _check_vocoder_graph_options(self) -> AppArgs:
         if (self.vocoder_bucket_shapes or self.vocoder_warmup_rows) and not self.vocoder_cuda_graphs:
             raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
+        if self.vocoder_fast_lane_code_budget is not None and self.vocoder_batching != "deadline":
+            raise ValueError("vocoder_fast_lane_code_budget needs vocoder_batching: deadline")
         urgent = self.vocoder_urgent_step_code_budget
         if urgent is not None and urgent < self.vocoder_step_code_budget:
             raise ValueError(f"vocoder_urgent_step_code_budget ({urgent}) must be at least "

@@ -21,6 +21,14 @@ steps that newcomers need anyway. A step is reported as "first" when it leads wi
 "urgent" (its first stream has less than `urgent_buffer_s` buffered) or "background". Nothing is lost
 by waiting: a stream's PCM depends only on its codes.
 
+Fast lane (`fast_lane_code_budget`, "deadline" only; the vocoder needs a second lane, `StreamingVocoder.
+add_lane`): a second loop on a second worker thread runs small steps on the vocoder's lane 1, a CUDA stream
+of its own, while lane 0's step runs: newcomers (their first chunk) and then listeners with less than
+`urgent_buffer_s` buffered, least first, while rows x the largest chunk's codes stays within
+`fast_lane_code_budget`. Newcomers then go only there, and sessions open there too, so neither waits for a
+large step in flight. A stream is in at most one step at a time; an aborted stream's session is closed
+only after the step that carries it. These steps are reported as "fast-first" and "fast-urgent".
+
 A vocoder call that raises fails the streams it carried, not the loop: each gets a `VocoderStepError` on
 its queue instead of more PCM (its session is closed), and the other streams go on.
 
@@ -85,7 +93,7 @@ class VocoderBatcher:
 
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "deadline",
                  urgent_buffer_s: float = 0.5, step_code_budget: int = 256,
-                 urgent_step_code_budget: int | None = None,
+                 urgent_step_code_budget: int | None = None, fast_lane_code_budget: int | None = None,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -96,7 +104,15 @@ class VocoderBatcher:
         if urgent_step_code_budget is not None and urgent_step_code_budget < step_code_budget:
             raise ValueError(f"urgent_step_code_budget must be >= step_code_budget ({step_code_budget}), "
                              f"got {urgent_step_code_budget}")
+        if fast_lane_code_budget is not None:
+            if fast_lane_code_budget < 1:
+                raise ValueError(f"fast_lane_code_budget must be >= 1, got {fast_lane_code_budget}")
+            if policy != "deadline":
+                raise ValueError("the fast lane needs policy 'deadline'")
+            if getattr(vocoder, "num_lanes", 1) < 2:
+                raise ValueError("the fast lane needs a vocoder with a second lane (StreamingVocoder.add_lane)")
         self.vocoder = vocoder
+        self.fast_lane_code_budget = fast_lane_code_budget
         self.max_batch_size = max_batch_size
         self.sample_rate = sample_rate
         self.policy = policy
@@ -105,10 +121,15 @@ class VocoderBatcher:
         self.urgent_step_code_budget = urgent_step_code_budget  # the same while some listener is urgent
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "fifo" | "finish", streams, s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
+        self._fast_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-fast")
+                               if fast_lane_code_budget is not None else None)
         self._streams: list[BatchedStream] = []
         self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
+        self._in_flight: set[BatchedStream] = set()  # streams in a step now (on either lane)
         self._wake = asyncio.Event()
+        self._fast_wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._fast_task: asyncio.Task | None = None
         self.num_open_sessions = 0
         self.num_steps = 0
 
@@ -118,16 +139,28 @@ class VocoderBatcher:
         return len(self._streams)
 
     def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="vocoder-batcher")
+            self._task = loop.create_task(self._run(self._round, self._wake), name="vocoder-batcher")
+        if self._fast_executor is not None and (self._fast_task is None or self._fast_task.done()):
+            self._fast_task = loop.create_task(self._run(self._fast_round, self._fast_wake), name="vocoder-fast")
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _call(self, fn: Callable[..., Any], *args: Any, lane: int = 0) -> Any:
+        executor = self._fast_executor if lane else self._executor
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    def _wake_all(self) -> None:
+        self._wake.set()
+        self._fast_wake.set()
 
     async def open(self, voice: str, seed: int) -> BatchedStream:
-        """Open a vocoder session for one utterance (raises what `StreamingVocoder.open` raises)."""
+        """Open a vocoder session for one utterance (raises what `StreamingVocoder.open` raises); with the
+        fast lane, on that lane."""
         self._ensure_loop()
-        session = await self._call(lambda: self.vocoder.open(voice, seed=seed))
+        if self._fast_executor is not None:
+            session = await self._call(lambda: self.vocoder.open(voice, seed=seed, lane=1), lane=1)
+        else:
+            session = await self._call(lambda: self.vocoder.open(voice, seed=seed))
         self.num_open_sessions += 1
         stream = BatchedStream(session, asyncio.Queue())
         self._streams.append(stream)
@@ -142,12 +175,12 @@ class VocoderBatcher:
             stream.pending_since = time.monotonic()
         stream.pending.extend(codes)
         stream.num_codes += len(codes)
-        self._wake.set()
+        self._wake_all()
 
     def end(self, stream: BatchedStream) -> None:
         """No more codes: the loop flushes what is pending, finishes the session and puts END."""
         stream.is_ended = True
-        self._wake.set()
+        self._wake_all()
 
     def close(self, stream: BatchedStream) -> None:
         """Abort: drop pending codes; the loop closes the session (`StreamingVocoder.close`, no tail)."""
@@ -159,19 +192,19 @@ class VocoderBatcher:
         if stream in self._streams:
             self._streams.remove(stream)
         self._discard.append(stream.session)
-        self._wake.set()
+        self._wake_all()
 
     def lag_s(self) -> float:
         """The largest lag behind real time among active streams (0 when none)."""
         now = time.monotonic()
         return max((s.lag_s(now, self.sample_rate) for s in self._streams), default=0.0)
 
-    async def _run(self) -> None:
+    async def _run(self, round_fn: Callable[[], Any], wake: asyncio.Event) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await wake.wait()
+            wake.clear()
             try:
-                while await self._round():
+                while await round_fn():
                     pass
             except Exception as exc:  # a bug outside the vocoder calls: no stream may wait forever
                 logger.exception("vocoder batching round failed: failing every stream")
@@ -191,42 +224,21 @@ class VocoderBatcher:
             stream.out.put_nowait(error)
             self._discard.append(stream.session)  # StreamingVocoder.close is a no-op on a closed session
         if streams:
-            self._wake.set()
+            self._wake_all()
 
     async def _round(self) -> bool:
         """One step over ready streams plus any finishes; False when there was nothing to do."""
         did_work = False
-        if self._discard:
-            sessions, self._discard = self._discard, []
-            await self._call(lambda: [self.vocoder.close(session) for session in sessions])
-            self.num_open_sessions -= len(sessions)
+        busy = {id(s.session) for s in self._in_flight}  # an aborted stream's step may still be running
+        closable = [session for session in self._discard if id(session) not in busy]
+        if closable:
+            self._discard = [session for session in self._discard if id(session) in busy]
+            await self._call(lambda: [self.vocoder.close(session) for session in closable])
+            self.num_open_sessions -= len(closable)
             did_work = True
         kind, ready = self.pick(time.monotonic())
         if ready:
-            # "deadline": one chunk per stream, and a stream can end inside the step (its last codes, then
-            # the rest of its audio); "fifo": every chunk the codes allow, ends in finish_many below
-            ending = [s for s in ready if self._ends_now(s)] if self.policy == "deadline" else []
-            options = {"max_chunks": 1, "finish": [s.session for s in ending]} if self.policy == "deadline" else {}
-            work = [(s.session, s.pending) for s in ready]
-            for stream in ready:
-                stream.pending = []
-            for stream in ending:
-                stream.is_closed = True
-                self._streams.remove(stream)
-            started = time.monotonic()
-            try:
-                pcms = await self._call(lambda: self.vocoder.step(work, **options))
-            except Exception as exc:
-                logger.exception("vocoder step of %d streams failed", len(work))
-                self._fail(ready, exc)
-                return True
-            self.num_steps += 1
-            self._report(kind, len(work), started)
-            self.num_open_sessions -= len(ending)
-            for stream, pcm in zip(ready, pcms, strict=True):
-                self._deliver(stream, pcm)
-            for stream in ending:
-                stream.out.put_nowait(END)
+            await self._step(kind, ready, lane=0)
             did_work = True
         finishing = ([s for s in self._streams if s.is_ended and not s.pending][: self.max_batch_size]
                      if self.policy == "fifo" else [])
@@ -249,6 +261,49 @@ class VocoderBatcher:
             did_work = True
         return did_work
 
+    async def _fast_round(self) -> bool:
+        """One step on the fast lane; False when it had nothing to do."""
+        kind, ready = self._pick_deadline(time.monotonic(), lane=1)
+        if not ready:
+            return False
+        await self._step(f"fast-{kind}", ready, lane=1)
+        return True
+
+    async def _step(self, kind: str, ready: list[BatchedStream], lane: int) -> None:
+        """One vocoder step over `ready` on `lane`, its PCM delivered (or its streams failed)."""
+        # "deadline": one chunk per stream, and a stream can end inside the step (its last codes, then
+        # the rest of its audio); "fifo": every chunk the codes allow, ends in finish_many
+        ending = [s for s in ready if self._ends_now(s)] if self.policy == "deadline" else []
+        options: dict[str, Any] = ({"max_chunks": 1, "finish": [s.session for s in ending]}
+                                   if self.policy == "deadline" else {})
+        if lane:
+            options["lane"] = lane
+        work = [(s.session, s.pending) for s in ready]
+        for stream in ready:
+            stream.pending = []
+        for stream in ending:
+            stream.is_closed = True
+            self._streams.remove(stream)
+        self._in_flight.update(ready)
+        started = time.monotonic()
+        try:
+            pcms = await self._call(lambda: self.vocoder.step(work, **options), lane=lane)
+        except Exception as exc:
+            logger.exception("vocoder step of %d streams failed", len(work))
+            self._fail(ready, exc)
+            return
+        finally:
+            self._in_flight.difference_update(ready)
+            if self._fast_executor is not None:
+                self._wake_all()  # its streams are free for the other lane again
+        self.num_steps += 1
+        self._report(kind, len(work), started)
+        self.num_open_sessions -= len(ending)
+        for stream, pcm in zip(ready, pcms, strict=True):
+            self._deliver(stream, pcm)
+        for stream in ending:
+            stream.out.put_nowait(END)
+
     def _ends_now(self, stream: BatchedStream) -> bool:
         """"deadline": the stream has no more codes coming and none of its scheduled chunks is left."""
         return stream.is_ended and not self.vocoder.next_chunk_codes(stream.session, len(stream.pending))
@@ -260,10 +315,17 @@ class VocoderBatcher:
         ready = sorted((s for s in self._streams if s.pending), key=lambda s: s.pending_since)
         return ("fifo", ready[: self.max_batch_size]) if ready else ("", [])
 
-    def _pick_deadline(self, now: float) -> tuple[str, list[BatchedStream]]:
-        """`pick` for policy "deadline" (module docstring)."""
+    def _pick_deadline(self, now: float, lane: int = 0) -> tuple[str, list[BatchedStream]]:
+        """`pick` for policy "deadline" on `lane` (module docstring)."""
+        fast = self._fast_executor is not None
         sizes: dict[BatchedStream, int] = {}  # codes of the chunk each stream would compute
         for s in self._streams:
+            if s in self._in_flight:
+                continue
+            if fast and s.first_pcm_at is None and lane == 0:
+                continue  # newcomers go to the fast lane only
+            if lane == 1 and s.first_pcm_at is not None and s.buffer_s(now, self.sample_rate) >= self.urgent_buffer_s:
+                continue  # the fast lane takes newcomers and urgent listeners
             if size := self.vocoder.next_chunk_codes(s.session, len(s.pending)):
                 sizes[s] = size
             elif s.is_ended:  # its end: the codes not yet vocoded (at least 1: it still has to close)
@@ -274,7 +336,9 @@ class VocoderBatcher:
         playing = sorted((s for s in sizes if s.first_pcm_at is not None),
                          key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
         budget = self.step_code_budget
-        if (self.urgent_step_code_budget is not None and playing  # least buffered first: is it urgent?
+        if lane == 1:
+            budget = self.fast_lane_code_budget
+        elif (self.urgent_step_code_budget is not None and playing  # least buffered first: is it urgent?
                 and playing[0].buffer_s(now, self.sample_rate) < self.urgent_buffer_s):
             budget = self.urgent_step_code_budget
         picked: list[BatchedStream] = []
@@ -306,7 +370,10 @@ class VocoderBatcher:
             stream.out.put_nowait(pcm)
 
     async def shutdown(self) -> None:
-        """Stop the loop and the worker thread."""
-        if self._task is not None:
-            self._task.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the loops and the worker threads."""
+        for task in (self._task, self._fast_task):
+            if task is not None:
+                task.cancel()
+        for executor in (self._executor, self._fast_executor):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)

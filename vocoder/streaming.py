@@ -875,6 +875,7 @@ def build_for_serving(
     reserved_sessions: int = 0,
     warmup_rows: Sequence[int] = (),
     chunk_schedule_codes: Sequence[int] | None = None,
+    fast_lane_code_budget: int | None = None,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
     """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
@@ -882,7 +883,9 @@ def build_for_serving(
     `from_preset` kwargs build it (`chunk_schedule_codes` replaces the preset's low-latency chunk
     schedule); then CUDA graphs (optionally with bucketed shapes), flow state for
     `reserved_sessions`, the default voice's priming (seed 0), and a `warm_up` over `warmup_rows`.
-    Returns the vocoder and the warm-up's figures (empty without one).
+    `fast_lane_code_budget`: a second lane at the highest stream priority (`add_lane`) for the batcher's
+    fast lane, warmed up over the `warmup_rows` whose first chunks fit that budget.
+    Returns the vocoder and the warm-up's figures (empty without one; lanes' figures added up).
     """
     if (bucket_shapes or warmup_rows) and not cuda_graphs:
         raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
@@ -893,8 +896,16 @@ def build_for_serving(
     voc = StreamingVocoder.from_preset(preset, **from_preset)  # type: ignore[arg-type]
     if cuda_graphs:
         voc.use_cuda_graphs(bucket_shapes=bucket_shapes)
+    if fast_lane_code_budget is not None:
+        voc.add_lane(priority=-1)
     voc.reserve_sessions(reserved_sessions)
     warm = voc.warm_up(warmup_rows) if warmup_rows else {}
+    stream = voc.config.stream
+    first = stream.chunk_schedule_codes[0] if voc.is_low_latency else stream.first_chunk_codes
+    fast_rows = [r for r in warmup_rows if fast_lane_code_budget is not None and r * first <= fast_lane_code_budget]
+    if fast_rows:
+        fast = voc.warm_up(fast_rows, lane=1)
+        warm = {key: warm[key] + fast[key] for key in warm}
     voc.close(voc.open("default", seed=0))  # keeps the most common priming (warm_up's streams use it too)
     return voc, warm
 

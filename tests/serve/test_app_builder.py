@@ -92,6 +92,9 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_chunk_schedule_codes": [3, 0]}, "vocoder_chunk_schedule_codes must be non-empty sizes >= 1"),
     ({"vocoder_step_code_budget": 128, "vocoder_urgent_step_code_budget": 64},
      "vocoder_urgent_step_code_budget (64) must be at least vocoder_step_code_budget (128)"),
+    ({"vocoder_fast_lane_code_budget": 32, "vocoder_batching": "fifo"},
+     "vocoder_fast_lane_code_budget needs vocoder_batching: deadline"),
+    ({"vocoder_fast_lane_code_budget": 0}, "greater than or equal to 1"),
 ])
 def test_bad_app_args_are_rejected(args: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:

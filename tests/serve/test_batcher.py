@@ -446,3 +446,148 @@ def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -
         await server._batcher.shutdown()
 
     asyncio.run(main())
+
+
+class LaneVocoder(ChunkVocoder):
+    """ChunkVocoder with two lanes: records each call's lane and thread; a lane-0 step can be held until
+    `release` is set (a long step in flight)."""
+
+    num_lanes = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.lanes: list[tuple[str, int, str]] = []  # (call, lane, thread name)
+        self.hold_lane0 = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+
+    def open(self, voice: str, *, seed: int = 0, lane: int = 0) -> Session:
+        import threading
+
+        self.lanes.append(("open", lane, threading.current_thread().name))
+        return super().open(voice, seed=seed)
+
+    def step(self, work: list[tuple[Session, Sequence[int]]], *, max_chunks: int | None = None,
+             finish: Sequence[Session] = (), lane: int = 0) -> list[np.ndarray]:
+        import threading
+
+        self.lanes.append(("step", lane, threading.current_thread().name))
+        if lane == 0 and self.hold_lane0.is_set():
+            assert self.release.wait(timeout=30)
+        return super().step(work, max_chunks=max_chunks, finish=finish)
+
+
+def test_fast_lane_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="policy 'deadline'"):
+        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, policy="fifo", fast_lane_code_budget=8)
+    with pytest.raises(ValueError, match="fast_lane_code_budget must be >= 1"):
+        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=0)
+    with pytest.raises(ValueError, match="second lane"):
+        VocoderBatcher(ChunkVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=8)
+
+
+def test_fast_lane_pick_takes_newcomers_and_urgent_listeners_within_its_budget() -> None:
+    async def main() -> None:
+        batcher = VocoderBatcher(LaneVocoder(), max_batch_size=8, sample_rate=128, urgent_buffer_s=0.5,
+                                 step_code_budget=100, fast_lane_code_budget=6)
+        s = {name: await batcher.open("v", seed=i) for i, name in enumerate("xybce")}
+        now = 1024.0
+        # (first audio at, samples at 128 Hz, codes in the session, chunks done): x, y newcomers (2-code
+        # chunks ready); b buffer 0.25 s, c 0.75 s, e 0.0 s (3-code chunks ready)
+        setup = {"x": (None, 0, 4, 0), "y": (None, 0, 4, 0), "b": (now - 1.0, 160, 7, 1),
+                 "c": (now - 1.0, 224, 7, 1), "e": (now - 1.0, 128, 7, 1)}
+        for name, (at, samples, num_codes, chunks) in setup.items():
+            stream = s[name]
+            stream.first_pcm_at, stream.num_samples = at, samples
+            stream.session.codes, stream.session.chunks = list(range(num_codes)), chunks
+            stream.session.emitted = 2 * (chunks > 0)
+        # lane 0 never takes a newcomer; lane 1 takes newcomers first, then the urgent listeners by buffer
+        # while the padded step fits 6 code rows: x, y (2 x 2), then e would make 3 x 3 > 6
+        assert batcher._pick_deadline(now, lane=0) == ("urgent", [s["e"], s["b"], s["c"]])
+        assert batcher._pick_deadline(now, lane=1) == ("first", [s["x"], s["y"]])
+        batcher._in_flight.update([s["x"], s["y"]])  # in a step now: neither lane picks them
+        assert batcher._pick_deadline(now, lane=1) == ("urgent", [s["e"], s["b"]])  # c has 0.75 s: not urgent
+        batcher._in_flight.update([s["e"], s["b"]])
+        assert batcher._pick_deadline(now, lane=0) == ("background", [s["c"]])
+        assert batcher._pick_deadline(now, lane=1) == ("", [])
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_fast_lane_serves_a_newcomer_while_a_long_step_holds_lane_zero() -> None:
+    async def main() -> None:
+        vocoder = LaneVocoder()
+        kinds: list[tuple[str, int]] = []
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, urgent_buffer_s=0.0,
+                                 fast_lane_code_budget=8, on_step=lambda kind, n, seconds: kinds.append((kind, n)))
+        old = await batcher.open("v", seed=1)
+        batcher.push(old, list(range(4)))  # its first chunk, on the fast lane
+        assert (await old.out.get()).tolist() == [0.0] * SAMPLES + [1.0] * SAMPLES
+        vocoder.hold_lane0.set()
+        vocoder.release.clear()
+        batcher.push(old, list(range(4, 9)))  # its second chunk: lane 0 (it has audio, and 0.0 s is not urgent)
+        while ("step", 0) not in [(call, lane) for call, lane, _ in vocoder.lanes]:  # lane 0's step is held
+            await asyncio.sleep(0.01)
+        new = await batcher.open("v", seed=2)  # opens and gets its first chunk while lane 0 is held
+        batcher.push(new, [50, 51, 52, 53])
+        first = await asyncio.wait_for(new.out.get(), timeout=10)
+        assert first.tolist() == [50.0] * SAMPLES + [51.0] * SAMPLES
+        assert old.out.empty()  # its step is still held
+        aborted = await batcher.open("v", seed=3)
+        batcher.push(aborted, [60, 61])  # no chunk ready yet
+        vocoder.release.set()
+        assert (await old.out.get()).tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
+        batcher.close(aborted)
+        for stream in (old, new):
+            batcher.end(stream)
+        await asyncio.gather(drain(old.out), drain(new.out))
+        while batcher.num_open_sessions:
+            await asyncio.sleep(0.01)
+        opens = [(lane, thread) for call, lane, thread in vocoder.lanes if call == "open"]
+        assert all(lane == 1 and thread.startswith("vocoder-fast") for lane, thread in opens)
+        steps = [(lane, thread.startswith("vocoder-fast")) for call, lane, thread in vocoder.lanes if call == "step"]
+        assert set(steps) == {(0, False), (1, True)}
+        assert kinds[:3] == [("fast-first", 1), ("fast-first", 1), ("background", 1)]
+        assert vocoder.closed == ["v-3"] and batcher.num_streams == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_fast_lane_on_the_tiny_vocoder_gives_the_one_lane_audio() -> None:
+    from vocoder import SAMPLES_PER_CODE, StreamingVocoder
+
+    rng = np.random.default_rng(6)
+    utterances = [rng.integers(0, 16384, n).tolist() for n in (31, 12, 4)]
+
+    async def run(voc: StreamingVocoder, fast: int | None) -> tuple[list[np.ndarray], list[str]]:
+        kinds: list[str] = []
+        batcher = VocoderBatcher(voc, max_batch_size=8, sample_rate=24000, step_code_budget=12,
+                                 fast_lane_code_budget=fast, on_step=lambda kind, n, seconds: kinds.append(kind))
+        streams = [await batcher.open("default", seed=i) for i in range(len(utterances))]
+        for stream, codes in zip(streams, utterances, strict=True):
+            for i in range(0, len(codes), 3):  # codes in small pieces, as an LLM sends them
+                batcher.push(stream, codes[i : i + 3])
+                await asyncio.sleep(0)
+            batcher.end(stream)
+        pcm = [np.concatenate([x for x in await collect(s.out)]) for s in streams]
+        await batcher.shutdown()
+        return pcm, kinds
+
+    async def collect(queue: asyncio.Queue) -> list[np.ndarray]:
+        items = []
+        while (item := await queue.get()) is not END:
+            items.append(item)
+        return items
+
+    one, _ = asyncio.run(run(StreamingVocoder.from_preset("tiny"), None))
+    laned = StreamingVocoder.from_preset("tiny")
+    laned.add_lane()
+    two, kinds = asyncio.run(run(laned, 6))
+    for codes, a, b in zip(utterances, one, two, strict=True):
+        assert len(a) == len(b) == len(codes) * SAMPLES_PER_CODE
+        assert float(np.abs(a - b).max()) < 1e-5
+    assert "fast-first" in kinds and laned.num_open_sessions == 0

@@ -350,3 +350,18 @@ def test_build_for_serving_wires_graphs_reserve_priming_and_warm_up() -> None:
     sizes = [len(bigger_first.push(session, [c])) for c in range(1, 12)]
     # first audio after 3 + 3 codes: 3 codes minus the held overlap; the next after 3 + 5 + 3
     assert sizes == [0] * 5 + [3 * SAMPLES_PER_CODE - OVERLAP] + [0] * 4 + [5 * SAMPLES_PER_CODE]
+
+
+def test_build_for_serving_adds_and_warms_a_fast_lane_within_its_budget() -> None:
+    # budget 4 code rows, first chunk 2 codes: of the warm-up rows 1, 2, 4 the fast lane warms 1 and 2
+    from vocoder.streaming import build_for_serving
+
+    voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=8,
+                                  warmup_rows=[1, 2, 4], fast_lane_code_budget=4)
+    assert voc.num_lanes == 2 and voc.pool.capacity == 8 + 2  # + a scratch slot per lane
+    lane0 = sum(g.num_graphs for g in voc._lanes[0].graphed)
+    lane1 = sum(g.num_graphs for g in voc._lanes[1].graphed)
+    assert lane0 > lane1 > 0 and warm["graphs_captured"] == lane0 + lane1
+    flow_rows = {sig[0][0][0] for sig in voc._lanes[1].graphed[1]._seen}  # rows of the fast lane's flow steps
+    assert flow_rows == {1, 2}
+    assert voc.num_open_sessions == 0
