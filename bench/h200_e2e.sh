@@ -289,7 +289,7 @@ for before, after in zip(names, names[1:]):
     line = " ".join(f"{label} p50/p99={ms(s[key]['p50'])}/{ms(s[key]['p99'])}" for key, label in (
         ("time_to_first_code_s", "first_code"), ("time_to_first_pcm_s", "first_pcm"), ("time_to_first_audio_s", "ttfa")))
     steps = []
-    for kind in ("first", "urgent", "background", "fifo", "finish"):
+    for kind in ("first", "urgent", "background", "fifo", "finish", "fast-first", "fast-urgent"):
         b = histogram_buckets([x for x in samples if x.labels.get("kind") == kind], "ray_moss_vocoder_step_seconds")
         if b and b[-1][1]:
             steps.append(f"{kind} n={int(b[-1][1])} p50/p99={ms(histogram_quantile(0.5, b))}/{ms(histogram_quantile(0.99, b))}")
