@@ -10,7 +10,7 @@ repeatedly takes a newcomer with the codes of its first chunk (first chunk + loo
 step from the moment the codes are there to its PCM:
 - "lane0": on lane 0, i.e. after the background step in flight, as with one worker;
 - "same_priority": on a lane of its own at the background's stream priority;
-- "high_priority": on a lane of its own at the highest stream priority (`add_lane(-1)`).
+- "high_priority": on a lane of its own at stream priority -1, above the background's (`add_lane(-1)`).
 The newcomer's session is opened first on the lane it steps on (not timed: a request opens its session
 at arrival, long before its first codes). Reported per mode: the newcomer's time p50/p90/p99 and the
 background steps' time p50 and audio seconds per wall second while the newcomers ran, against both alone.

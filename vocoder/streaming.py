@@ -883,7 +883,7 @@ def build_for_serving(
     `from_preset` kwargs build it (`chunk_schedule_codes` replaces the preset's low-latency chunk
     schedule); then CUDA graphs (optionally with bucketed shapes), flow state for
     `reserved_sessions`, the default voice's priming (seed 0), and a `warm_up` over `warmup_rows`.
-    `fast_lane_code_budget`: a second lane at the highest stream priority (`add_lane`) for the batcher's
+    `fast_lane_code_budget`: a second lane at stream priority -1, above lane 0's (`add_lane`), for the batcher's
     fast lane, warmed up over the `warmup_rows` whose first chunks fit that budget.
     Returns the vocoder and the warm-up's figures (empty without one; lanes' figures added up).
     """
