@@ -61,8 +61,9 @@ class Split:
 
     def __init__(self, voc: StreamingVocoder):
         self.ms: dict[str, float] = defaultdict(float)
-        for name, attr in zip(self.NAMES, ("_encode", "_flow_step", "_generate")):
-            setattr(voc, attr, self._timed(name, getattr(voc, attr)))
+        lane = voc._lanes[0]  # the lane a plain `step` runs on
+        for name, attr in zip(self.NAMES, ("encode", "flow_step", "generate")):
+            setattr(lane, attr, self._timed(name, getattr(lane, attr)))
 
     def _timed(self, name: str, fn: Any) -> Any:
         def call(*args: torch.Tensor) -> Any:
@@ -341,7 +342,8 @@ def family(name: str) -> str:
 
 def profile_step(voc: StreamingVocoder, batch: int) -> dict[str, Any]:
     """Kernel time by family over one eager steady step (graphs off so kernels are visible)."""
-    voc._encode, voc._flow_step, voc._generate = voc.flow.encoder, voc._solve_from_pool, voc.generator
+    lane = voc._lanes[0]
+    lane.encode, lane.flow_step, lane.generate = voc.flow.encoder, voc._solve_from_pool, voc.generator
     rng = np.random.default_rng(3)
     sessions = voc.open_many([("default", i) for i in range(batch)])
     for n in (5, 3, 5, 10, 25):
@@ -499,7 +501,8 @@ def main() -> None:
         if name == "package" and args.skip_package:
             continue
         voc.use_cuda_graphs()
-        graphed = (voc._encode, voc._flow_step, voc._generate)
+        lane = voc._lanes[0]
+        graphed = (lane.encode, lane.flow_step, lane.generate)
         split = Split(voc)
         row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
         result.setdefault("variants", {})[name] = row
@@ -507,7 +510,7 @@ def main() -> None:
         for b in batches:
             row[f"steady_{b}"] = steady(voc, split, b, args.steps)
             save()
-        voc._encode, voc._flow_step, voc._generate = graphed  # without the split's synchronising timers
+        lane.encode, lane.flow_step, lane.generate = graphed  # without the split's synchronising timers
         for b in (int(x) for x in args.host_batches.split(",") if x):
             result.setdefault("host_profile", {}).setdefault(name, {})[f"batch_{b}"] = host_profile(voc, b)
             save()

@@ -157,10 +157,9 @@ class VocoderBatcher:
         """Open a vocoder session for one utterance (raises what `StreamingVocoder.open` raises); with the
         fast lane, on that lane."""
         self._ensure_loop()
-        if self._fast_executor is not None:
-            session = await self._call(lambda: self.vocoder.open(voice, seed=seed, lane=1), lane=1)
-        else:
-            session = await self._call(lambda: self.vocoder.open(voice, seed=seed))
+        lane = 0 if self._fast_executor is None else 1
+        options = {"lane": lane} if lane else {}  # a one-lane vocoder need not take the argument
+        session = await self._call(lambda: self.vocoder.open(voice, seed=seed, **options), lane=lane)
         self.num_open_sessions += 1
         stream = BatchedStream(session, asyncio.Queue())
         self._streams.append(stream)

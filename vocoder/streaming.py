@@ -224,31 +224,6 @@ class StreamingVocoder:
         """Lanes: 1 + those `add_lane` added."""
         return len(self._lanes)
 
-    # Lane 0's functions under their historical names (bench/vocoder_profile.py swaps them to time stages).
-    @property
-    def _encode(self) -> Callable:
-        return self._lanes[0].encode
-
-    @_encode.setter
-    def _encode(self, fn: Callable) -> None:
-        self._lanes[0].encode = fn
-
-    @property
-    def _flow_step(self) -> Callable:
-        return self._lanes[0].flow_step
-
-    @_flow_step.setter
-    def _flow_step(self, fn: Callable) -> None:
-        self._lanes[0].flow_step = fn
-
-    @property
-    def _generate(self) -> Callable:
-        return self._lanes[0].generate
-
-    @_generate.setter
-    def _generate(self, fn: Callable) -> None:
-        self._lanes[0].generate = fn
-
     @property
     def _graphed(self) -> list[GraphedFunction]:
         """Lane 0's graphed functions (encoder, flow solve, BigVGAN); empty without graphs."""
@@ -284,34 +259,29 @@ class StreamingVocoder:
         """Run the block on lane `index` (its stream current); with several lanes, wait for the lane's work
         before leaving, so a session's next call may be on another lane."""
         lane = self._lanes[self._check_lane(index)]
-        with lane.lock, self._lane_busy():
-            if self.device.type != "cuda":
-                yield lane
-                return
-            stream = lane.stream or torch.cuda.current_stream(self.device)
-            for s in sessions:  # tensors made on another lane's stream: the allocator must not reuse their
-                if s.lane != index:  # memory there while this stream may still read them
-                    s.mel.record_stream(stream)
-                    s.speaker.record_stream(stream)
-                    s.lane = index
-            with torch.cuda.stream(stream):
-                yield lane
-                if len(self._lanes) > 1:
-                    stream.synchronize()
-
-    @contextlib.contextmanager
-    def _lane_busy(self) -> Iterator[None]:
-        """Counts a lane call in progress (a pool growth waits for none)."""
-        with self._gate:
-            while self._growing:
-                self._gate.wait()
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._gate:
-                self._busy -= 1
-                self._gate.notify_all()
+        with lane.lock:
+            with self._gate:  # counted as a lane call in progress: a pool growth waits for none
+                while self._growing:
+                    self._gate.wait()
+                self._busy += 1
+            try:
+                if self.device.type != "cuda":
+                    yield lane
+                    return
+                stream = lane.stream or torch.cuda.current_stream(self.device)
+                for s in sessions:  # tensors made on another lane's stream: the allocator must not reuse
+                    if s.lane != index:  # their memory there while this stream may still read them
+                        s.mel.record_stream(stream)
+                        s.speaker.record_stream(stream)
+                        s.lane = index
+                with torch.cuda.stream(stream):
+                    yield lane
+                    if len(self._lanes) > 1:
+                        stream.synchronize()
+            finally:
+                with self._gate:
+                    self._busy -= 1
+                    self._gate.notify_all()
 
     def reserve_sessions(self, num_sessions: int) -> None:
         """Allocate flow state for `num_sessions` open sessions now. The state pool otherwise doubles when
@@ -725,12 +695,11 @@ class StreamingVocoder:
         mel, new_caches = self.flow.solve(mu, speaker, cond, noise, caches, valid)
         return mel, [torch.stack(layer) for layer in zip(*new_caches)]
 
-    def _advance_flow(self, sessions: list[VocoderSession], targets: list[int], lane: _Lane | None = None) -> None:
+    def _advance_flow(self, sessions: list[VocoderSession], targets: list[int], lane: _Lane) -> None:
         """Encoder + Euler integration for code positions [flow_cursor, target) of each session, batched."""
         work = [(s, t) for s, t in zip(sessions, targets) if t > s.flow_cursor]
         if not work:
             return
-        lane = lane or self._lanes[0]
         starts = [max(s.codes_start, s.flow_cursor - self.history_codes) for s, _ in work]
         # codes past target + lookahead cannot change frames before the target: left out of the window
         windows = [s.codes[w - s.codes_start : t + LOOKAHEAD_CODES - s.codes_start] for (s, t), w in zip(work, starts)]
