@@ -271,7 +271,8 @@ for name in ["client_closed.json", "client_steady.json", "client_listen.json", "
               f"rtf p50={lv['rtf']['p50'] and round(lv['rtf']['p50'], 3)} "
               f"audio_s/wall_s={lv['audio_s_per_wall_s'] and round(lv['audio_s_per_wall_s'], 2)} "
               f"underruns={lv['underruns']['total']} in {lv['underruns']['requests_with_underrun']} requests, "
-              f"stall {lv['underruns']['stall_s_total']:.1f}s codes={lv['num_audio_codes_seen']} "
+              f"stall {lv['underruns']['stall_s_total']:.1f}s at audio s {lv['underruns'].get('by_audio_played_s', '-')} "
+              f"codes={lv['num_audio_codes_seen']} "
               f"prompt={lv['num_prompt_tokens_seen']} driver_lag_p99={ms(lv.get('driver_loop_lag_s', {'p99': None}), 'p99')}")
 EOF
 # Server-side stage split per client phase (difference of consecutive scrapes; includes warm-ups).

@@ -10,7 +10,9 @@ audio duration) and the buffer underruns of a listener who starts playback on th
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
+import itertools
 import math
 import time
 from collections import Counter
@@ -31,14 +33,17 @@ class PlaybackClock:
 
     An underrun happens when a chunk arrives after the buffered audio ran out: the player has been
     silent for (arrival - run-out time), and resumes with the new chunk. The end of the stream is not
-    an underrun.
+    an underrun. `stalled_at_audio_s` holds, per underrun, the seconds of audio played before it (all the
+    audio received until then), which says which of the stream's chunks came late.
     """
 
     def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
         self.sample_rate = sample_rate
         self.num_underruns = 0
         self.stall_s = 0.0
+        self.stalled_at_audio_s: list[float] = []
         self._runs_out_at: float | None = None  # when the buffered audio will have been played
+        self._received = 0  # samples so far
 
     def add(self, now: float, num_samples: int) -> None:
         """Audio of `num_samples` samples arrived at time `now` (seconds, any fixed origin)."""
@@ -50,9 +55,11 @@ class PlaybackClock:
         elif now > self._runs_out_at:
             self.num_underruns += 1
             self.stall_s += now - self._runs_out_at
+            self.stalled_at_audio_s.append(self._received / self.sample_rate)
             self._runs_out_at = now + duration
         else:
             self._runs_out_at += duration
+        self._received += num_samples
 
 
 @dataclass
@@ -69,6 +76,7 @@ class RequestResult:
     num_chunks: int = 0
     num_underruns: int = 0
     stall_s: float = 0.0
+    stalled_at_audio_s: list[float] = field(default_factory=list)  # audio played before each underrun
     num_audio_codes: int | None = None  # as the server (or the engine) reported it, when known
     num_prompt_tokens: int | None = None
     first_codes_s: float | None = None  # in process only: when the engine's first codes came out
@@ -117,6 +125,7 @@ class AudioTimeline:
         self.result.e2e_s = now - self.started
         self.result.num_underruns = self.clock.num_underruns
         self.result.stall_s = self.clock.stall_s
+        self.result.stalled_at_audio_s = list(self.clock.stalled_at_audio_s)
 
 
 class LoopLag:
@@ -190,10 +199,25 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
             "requests_with_underrun": sum(1 for r in ok if r.num_underruns),
             "stall_s_total": sum(r.stall_s for r in ok),
             "stall_s_per_request": percentiles([r.stall_s for r in ok]),
+            "by_audio_played_s": stall_positions([t for r in ok for t in r.stalled_at_audio_s]),
         },
         "num_audio_codes_seen": codes,
         "num_prompt_tokens_seen": prompts,
     }
+
+
+STALL_POSITION_EDGES_S = (0.5, 1.0, 2.0, 4.0)
+
+
+def stall_positions(played_s: Sequence[float]) -> dict[str, int]:
+    """Underruns counted by the seconds of audio played before them: "<0.5", "0.5-1", "1-2", "2-4", ">=4"
+    (early bins = the first, small chunks came late; later ones = steady chunks)."""
+    edges = STALL_POSITION_EDGES_S
+    names = [f"<{edges[0]:g}"] + [f"{a:g}-{b:g}" for a, b in itertools.pairwise(edges)] + [f">={edges[-1]:g}"]
+    counts = dict.fromkeys(names, 0)
+    for t in played_s:
+        counts[names[bisect.bisect_right(edges, t)]] += 1
+    return counts
 
 
 def playback_left_s(result: RequestResult) -> float:

@@ -23,7 +23,7 @@ from bench.client import (
     run_closed_loop,
 )
 from bench.client import main as client_main
-from bench.measure import PlaybackClock, speech_prompt_text, summarize
+from bench.measure import PlaybackClock, speech_prompt_text, stall_positions, summarize
 from deployments.framing import wav_header
 from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
 from runtime.tokenizer import Tokenizer
@@ -39,6 +39,13 @@ def test_playback_clock_counts_each_stall_once_with_its_length() -> None:
         clock.add(now, samples)
     # runs out at 1.0; 1.5 stalls 0.5 -> runs out 2.0; 2.0 is just in time -> 2.5; 3.5 stalls 1.0
     assert (clock.num_underruns, clock.stall_s) == (2, 1.5)
+    assert clock.stalled_at_audio_s == [1.0, 2.0]  # audio played before each stall: 4 and 8 samples
+
+
+def test_stall_positions_bin_by_audio_played_with_edges_in_the_upper_bin() -> None:
+    assert stall_positions([0.0, 0.24, 0.5, 0.99, 1.0, 3.9, 4.0, 7.5]) == {
+        "<0.5": 2, "0.5-1": 2, "1-2": 1, "2-4": 1, ">=4": 2}
+    assert stall_positions([]) == {"<0.5": 0, "0.5-1": 0, "1-2": 0, "2-4": 0, ">=4": 0}
 
 
 def test_audio_stream_strips_a_wav_header_split_across_reads_and_keeps_odd_bytes() -> None:
@@ -149,3 +156,5 @@ def test_client_counts_match_the_servers_reports_and_metrics(serve_base_url: str
     assert summary["ttfa_s"]["count"] == 6
     assert summary["chunk_gap_s"]["count"] == sum(r.num_chunks - 1 for r in results)
     assert summary["audio_s_total"] == pytest.approx(6 * CODES * 0.08, rel=1e-12)
+    underruns = summary["underruns"]
+    assert underruns["total"] == sum(r.num_underruns for r in results) == sum(underruns["by_audio_played_s"].values())
