@@ -18,7 +18,8 @@
 # STEADY_REQUESTS / RAMP_S (a second closed loop over Serve whose workers' first requests are spread over
 # RAMP_S seconds: steady state instead of a burst; none by default), LISTEN_LEVELS / LISTEN_REQUESTS (a closed
 # loop of listeners, ramped over RAMP_S: each worker plays a reply in real time before its next request,
-# bench/client.py --listen; none by default), PIPE_RAMP_S (the same ramp for pipeline.py),
+# bench/client.py --listen; none by default), PIPE_RAMP_S (the same ramp for pipeline.py), PIPE_LISTEN (1:
+# pipeline.py's levels are listeners too, --listen),
 # MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
 # processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only).
 set -uo pipefail
@@ -232,6 +233,7 @@ PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concur
           --requests "$PIPE_REQUESTS" --warmup "$WARMUP" --ramp-s "$PIPE_RAMP_S" --prompt-tokens "$PROMPT_TOKENS"
           --max-new-tokens "$MAX_NEW_TOKENS" --fixed-length --label "$MODE in-process $CONFIG"
           --out "$OUT/pipeline.json")
+[ "${PIPE_LISTEN:-0}" = 1 ] && PIPE_CMD+=(--listen --label "$MODE in-process $CONFIG listeners (ramp ${PIPE_RAMP_S}s)")
 [ "$PLOT" = 1 ] && PIPE_CMD+=(--plot "$OUT/pipeline.png")
 T_PIPE=$(cap $PIPE_CAP)
 [[ ,$PHASES, == *,serve,* ]] || T_PIPE=$(cap $(left))

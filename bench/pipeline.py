@@ -102,10 +102,12 @@ class Pipeline:
         return result
 
     async def closed_loop(self, make_request: Any, concurrency: int, num_requests: int,
-                          ramp_s: float = 0.0) -> tuple[list[RequestResult], float]:
+                          ramp_s: float = 0.0, listen: bool = False) -> tuple[list[RequestResult], float]:
         """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds);
-        `ramp_s` spreads the workers' first requests (`bench.measure.closed_loop`)."""
-        return await closed_loop(lambda: self.run_request(make_request()), concurrency, num_requests, ramp_s)
+        `ramp_s` spreads the workers' first requests, `listen` makes each worker hear its reply in real time
+        before the next one (`bench.measure.closed_loop`, as `bench/client.py --listen`)."""
+        return await closed_loop(lambda: self.run_request(make_request()), concurrency, num_requests, ramp_s,
+                                 listen)
 
 
 def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
@@ -209,9 +211,10 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                     await pipeline.closed_loop(make_request, concurrency, args.warmup)
                 lag.start()
                 del pipeline.steps[:]
-                results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s)
+                results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s,
+                                                             args.listen)
                 stats = pipeline.engine.stats()
-                out.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=args.ramp_s,
+                out.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=args.ramp_s, listen=args.listen,
                                      vocoder_batching=policy,
                                      step_code_budget=pipeline.batcher.step_code_budget,
                                      driver_loop_lag_s=lag.stop(),
@@ -274,6 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "POLICY:N also sets the step code budget (default: the config's)")
     p.add_argument("--ramp-s", type=float, default=0.0,
                    help="spread the workers' first requests over this many seconds (0: a burst)")
+    p.add_argument("--listen", action="store_true",
+                   help="each worker plays its reply in real time before its next request (concurrency = "
+                        "listeners), as bench/client.py --listen")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--input", default="Hello there, this is a streaming speech benchmark.")
     text.add_argument("--prompt-tokens", type=int, default=None, help="prompt of exactly this many tokens")

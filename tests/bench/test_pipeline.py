@@ -127,3 +127,22 @@ def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_setti
                        "warmup_rows": [1, 2, 4, 8, 16, 32, 48, 64], "reserved_sessions": 1024,
                        "chunk_schedule_codes": [4, 5, 10, 25], "urgent_buffer_s": 0.5, "batching": "deadline",
                        "step_code_budget": 512, "fast_lane_code_budget": 32}
+
+
+def test_pipeline_passes_ramp_and_listen_to_the_closed_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.pipeline as pipeline_module
+
+    seen: list[tuple] = []
+
+    async def fake_closed_loop(run_one: object, concurrency: int, num_requests: int, ramp_s: float,
+                               listen: bool) -> tuple[list, float]:
+        seen.append((concurrency, num_requests, ramp_s, listen))
+        return [], 1.0
+
+    monkeypatch.setattr(pipeline_module, "closed_loop", fake_closed_loop)
+    pipeline = object.__new__(pipeline_module.Pipeline)  # only the wiring: no engine, no vocoder
+    asyncio.run(pipeline.closed_loop(lambda: None, 64, 192, 8.5, True))
+    asyncio.run(pipeline.closed_loop(lambda: None, 1, 6))
+    assert seen == [(64, 192, 8.5, True), (1, 6, 0.0, False)]
+    assert parse_args(["--listen"]).listen and not parse_args([]).listen
+
