@@ -229,11 +229,12 @@ if [[ ,$PHASES, == *,serve,* ]]; then
 fi
 
 # ---- 2. The same workload in process (no Ray, no HTTP), with the engine settings of the config ----
+PIPE_LABEL="$MODE in-process $CONFIG"
+[ "${PIPE_LISTEN:-0}" = 1 ] && PIPE_LABEL="$PIPE_LABEL listeners (ramp ${PIPE_RAMP_S}s)"
 PIPE_CMD=("$PY" bench/pipeline.py --config "$CONFIG" "${PIPE_MODEL[@]}" --concurrency "$PIPE_LEVELS"
           --requests "$PIPE_REQUESTS" --warmup "$WARMUP" --ramp-s "$PIPE_RAMP_S" --prompt-tokens "$PROMPT_TOKENS"
-          --max-new-tokens "$MAX_NEW_TOKENS" --fixed-length --label "$MODE in-process $CONFIG"
-          --out "$OUT/pipeline.json")
-[ "${PIPE_LISTEN:-0}" = 1 ] && PIPE_CMD+=(--listen --label "$MODE in-process $CONFIG listeners (ramp ${PIPE_RAMP_S}s)")
+          --max-new-tokens "$MAX_NEW_TOKENS" --fixed-length --label "$PIPE_LABEL" --out "$OUT/pipeline.json")
+[ "${PIPE_LISTEN:-0}" = 1 ] && PIPE_CMD+=(--listen)
 [ "$PLOT" = 1 ] && PIPE_CMD+=(--plot "$OUT/pipeline.png")
 T_PIPE=$(cap $PIPE_CAP)
 [[ ,$PHASES, == *,serve,* ]] || T_PIPE=$(cap $(left))
