@@ -39,7 +39,6 @@ class PlaybackClock:
 
     def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
         self.sample_rate = sample_rate
-        self.num_underruns = 0
         self.stall_s = 0.0
         self.stalled_at_audio_s: list[float] = []
         self._runs_out_at: float | None = None  # when the buffered audio will have been played
@@ -53,13 +52,16 @@ class PlaybackClock:
         if self._runs_out_at is None:  # playback starts with the first audio
             self._runs_out_at = now + duration
         elif now > self._runs_out_at:
-            self.num_underruns += 1
             self.stall_s += now - self._runs_out_at
             self.stalled_at_audio_s.append(self._received / self.sample_rate)
             self._runs_out_at = now + duration
         else:
             self._runs_out_at += duration
         self._received += num_samples
+
+    @property
+    def num_underruns(self) -> int:
+        return len(self.stalled_at_audio_s)
 
 
 @dataclass
@@ -74,7 +76,6 @@ class RequestResult:
     e2e_s: float = 0.0
     num_samples: int = 0
     num_chunks: int = 0
-    num_underruns: int = 0
     stall_s: float = 0.0
     stalled_at_audio_s: list[float] = field(default_factory=list)  # audio played before each underrun
     num_audio_codes: int | None = None  # as the server (or the engine) reported it, when known
@@ -85,6 +86,10 @@ class RequestResult:
     def is_ok(self) -> bool:
         """Succeeded: status 200, no error, some audio."""
         return self.status == 200 and self.error is None and self.num_samples > 0
+
+    @property
+    def num_underruns(self) -> int:
+        return len(self.stalled_at_audio_s)
 
     @property
     def audio_s(self) -> float:
@@ -123,7 +128,6 @@ class AudioTimeline:
     def finish(self, now: float) -> None:
         """The response ended at `now`."""
         self.result.e2e_s = now - self.started
-        self.result.num_underruns = self.clock.num_underruns
         self.result.stall_s = self.clock.stall_s
         self.result.stalled_at_audio_s = list(self.clock.stalled_at_audio_s)
 

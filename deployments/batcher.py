@@ -318,13 +318,17 @@ class VocoderBatcher:
         """`pick` for policy "deadline" on `lane` (module docstring)."""
         fast = self._fast_executor is not None
         sizes: dict[BatchedStream, int] = {}  # codes of the chunk each stream would compute
+        buffered: dict[BatchedStream, float] = {}  # seconds of audio its listener has left (playing streams)
         for s in self._streams:
             if s in self._in_flight:
                 continue
-            if fast and s.first_pcm_at is None and lane == 0:
-                continue  # newcomers go to the fast lane only
-            if lane == 1 and s.first_pcm_at is not None and s.buffer_s(now, self.sample_rate) >= self.urgent_buffer_s:
-                continue  # the fast lane takes newcomers and urgent listeners
+            if s.first_pcm_at is None:
+                if fast and lane == 0:
+                    continue  # newcomers go to the fast lane only
+            else:
+                buffered[s] = s.buffer_s(now, self.sample_rate)
+                if lane == 1 and buffered[s] >= self.urgent_buffer_s:
+                    continue  # the fast lane takes newcomers and urgent listeners
             if size := self.vocoder.next_chunk_codes(s.session, len(s.pending)):
                 sizes[s] = size
             elif s.is_ended:  # its end: the codes not yet vocoded (at least 1: it still has to close)
@@ -333,12 +337,12 @@ class VocoderBatcher:
             return "", []
         fresh = sorted((s for s in sizes if s.first_pcm_at is None), key=lambda s: s.pending_since)
         playing = sorted((s for s in sizes if s.first_pcm_at is not None),
-                         key=lambda s: (s.buffer_s(now, self.sample_rate), s.pending_since))
+                         key=lambda s: (buffered[s], s.pending_since))
         budget = self.step_code_budget
         if lane == 1:
             budget = self.fast_lane_code_budget
         elif (self.urgent_step_code_budget is not None and playing  # least buffered first: is it urgent?
-                and playing[0].buffer_s(now, self.sample_rate) < self.urgent_buffer_s):
+                and buffered[playing[0]] < self.urgent_buffer_s):
             budget = self.urgent_step_code_budget
         picked: list[BatchedStream] = []
         largest = 0
@@ -353,7 +357,7 @@ class VocoderBatcher:
         head = picked[0]
         if head.first_pcm_at is None:
             return "first", picked
-        return ("urgent" if head.buffer_s(now, self.sample_rate) < self.urgent_buffer_s else "background"), picked
+        return ("urgent" if buffered[head] < self.urgent_buffer_s else "background"), picked
 
     def _report(self, kind: str, num_streams: int, started: float) -> None:
         if self._on_step is not None:
