@@ -25,6 +25,7 @@ cProfile: the Python functions where the host's share of a step goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import functools
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +157,7 @@ def check_flow_fusion(device: str) -> dict[str, float]:
     forward on the same weights and inputs: a transformer block and a causal block with a time bias."""
     if not device.startswith("cuda"):
         return {}
-    from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer, ConvCache
+    from vocoder.flow_layers import CausalBlock, CausalConv1d, CausalResnetBlock, ChunkTransformer, ConvCache
     from vocoder.layout import is_channels_last
 
     torch.manual_seed(2)
@@ -164,8 +166,9 @@ def check_flow_fusion(device: str) -> dict[str, float]:
         block = ChunkTransformer(256, 8, 64, 4, 4).to(device, dtype)
         causal = CausalBlock(256, 256).to(device, dtype)
         conv = CausalConv1d(256, 256, 3).to(device, dtype)
+        resnet = CausalResnetBlock(320, 256, 1024).to(device, dtype)  # the estimator's first (down) resnet
         block.fused_max_rows = 1 << 30  # the fused path at every row count checked
-        for module in (block, causal, conv):
+        for module in (block, causal, conv, resnet):
             for param in module.parameters():  # LayerNorm weights away from their 1 / 0 init
                 param.data.normal_(0.0, 0.1 if param.dim() == 1 else 0.06)
         for rows, frames in ((2, 20), (1, 4), (128, 100)):
@@ -175,8 +178,18 @@ def check_flow_fusion(device: str) -> dict[str, float]:
             conv_in = x.transpose(1, 2).contiguous()
             history = torch.randn(rows, 256, 2, device=device, dtype=dtype)
             valid = torch.randint(1, frames + 1, (rows,), device=device)
+            res_in = torch.randn(rows, frames, 320, device=device, dtype=dtype).transpose(1, 2)  # channels-last
+            time_bias = torch.randn(rows, 256, device=device, dtype=dtype)
+            res_history = torch.randn(rows, 320, 2, device=device, dtype=dtype)
             for fused, out in ((True, got), (False, ref)):
                 block.use_triton = causal.use_triton = causal.conv.use_triton = conv.use_triton = fused
+                for sub in (resnet.block1, resnet.block2, resnet.block1.conv, resnet.block2.conv):
+                    sub.use_triton = fused
+                # a resnet (block2 + the 1x1 residual in its kernels), channels-last and channels-first
+                cache = ConvCache([res_history, history], valid)
+                out["resnet_channels_last"] = resnet(res_in, time_bias, cache).float()
+                out["resnet_cache_update"] = torch.cat([u.float().flatten() for u in cache.updated])
+                out["resnet"] = resnet(res_in.contiguous(), time_bias, ConvCache()).float()
                 out["transformer"] = block(x).float()
                 block.fused_max_rows = 0  # the many-row path: cuBLAS linears, norm kernels
                 out["transformer_rows"] = block(x).float()
@@ -248,8 +261,63 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
                 graph_us_per_call([lambda x=xt, add=add: causal(x, ConvCache(), add)] * 200), 2)
         flow_fused.CONV_BK = default_bk
         block.fused_max_rows = 1 << 30
+        row.update(time_resnet_split(device, dtype, rows))
         out[str(rows)] = row
     return out
+
+
+SPLIT_VARIANTS = ((16, 128, 4), (16, 256, 4), (16, 64, 4), (32, 128, 4), (16, 128, 8))  # min_bco, bk, warps
+
+
+def time_resnet_split(device: str, dtype: torch.dtype, frames: int) -> dict[str, float]:
+    """One CausalResnetBlock(256, 256) over 2 rows (a stream's two guidance branches) x `frames`, channels-last,
+    with caches, in a CUDA graph of 100 calls: PyTorch, the whole-channel conv kernel (+ the residual's matmul
+    and add), and the channel-split kernels with the residual fused (flow_fused.SPLIT_OPTIONS) in each of
+    SPLIT_VARIANTS when the split applies at this size."""
+    from bench.fast_tools import graph_us_per_call
+    from vocoder.flow_layers import CausalResnetBlock, ConvCache
+    from vocoder.kernels import flow_fused
+
+    torch.manual_seed(4)
+    resnet = CausalResnetBlock(256, 256, 1024).to(device, dtype)
+    x = torch.randn(2, frames, 256, device=device, dtype=dtype).transpose(1, 2)
+    bias = torch.randn(2, 256, device=device, dtype=dtype)
+    caches = [torch.randn(2, 256, 2, device=device, dtype=dtype) for _ in range(2)]
+    valid = torch.full((2,), frames, device=device)
+
+    def timed(fused: bool) -> float:
+        for sub in (resnet.block1, resnet.block2, resnet.block1.conv, resnet.block2.conv):
+            sub.use_triton = fused
+        return round(graph_us_per_call([lambda: resnet(x, bias, ConvCache(caches, valid))] * 100), 2)
+
+    saved = dict(flow_fused.SPLIT_OPTIONS)
+    row = {"resnet2_torch_us": timed(False)}
+    flow_fused.SPLIT_OPTIONS["below"] = 0
+    row["resnet2_whole_us"] = timed(True)
+    flow_fused.SPLIT_OPTIONS.update(saved)
+    if flow_fused._split_slices(2 * -(-frames // 16), 256) > 1:  # 2 rows x 16-frame tiles
+        for min_bco, bk, warps in SPLIT_VARIANTS:
+            flow_fused.SPLIT_OPTIONS.update(min_bco=min_bco, bk=bk, warps=warps)
+            row[f"resnet2_split_bco{min_bco}_bk{bk}_w{warps}_us"] = timed(True)
+        flow_fused.SPLIT_OPTIONS.update(saved)
+    return row
+
+
+@contextlib.contextmanager
+def split_options(variant: str) -> Iterator[None]:
+    """Variant "nosplit": the estimator's causal convs always run as the whole-channel kernel (+ the residual's
+    matmul and add), as before the channel split (flow_fused.SPLIT_OPTIONS), for a same-process A/B."""
+    if variant != "nosplit":
+        yield
+        return
+    from vocoder.kernels import flow_fused
+
+    saved = dict(flow_fused.SPLIT_OPTIONS)
+    flow_fused.SPLIT_OPTIONS["below"] = 0
+    try:
+        yield
+    finally:
+        flow_fused.SPLIT_OPTIONS.update(saved)
 
 
 def first_chunk(voc: StreamingVocoder, split: Split, rounds: int) -> dict[str, Any]:
@@ -477,6 +545,7 @@ def main() -> None:
                                                         flow_channels_last=False),
         "attn5": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
                                                     flow_attention=False),
+        "nosplit": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda),
         "package": lambda: base,
     }
     names = list(dict.fromkeys([*args.variants.split(","), "package"]))
@@ -488,7 +557,8 @@ def main() -> None:
     pcm = {}
     for name, voc in variants:
         s = voc.open("default", seed=5)
-        pcm[name] = np.concatenate([voc.push(s, codes[:17]), voc.push(s, codes[17:]), voc.finish(s)])
+        with split_options(name):
+            pcm[name] = np.concatenate([voc.push(s, codes[:17]), voc.push(s, codes[17:]), voc.finish(s)])
         assert len(pcm[name]) == 40 * SAMPLES_PER_CODE and np.isfinite(pcm[name]).all()
     for name in [n for n in names if n != "package"]:
         result[f"pcm_{name}_vs_package"] = {
@@ -504,12 +574,13 @@ def main() -> None:
         lane = voc._lanes[0]
         graphed = (lane.encode, lane.flow_step, lane.generate)
         split = Split(voc)
-        row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
-        result.setdefault("variants", {})[name] = row
-        save()
-        for b in batches:
-            row[f"steady_{b}"] = steady(voc, split, b, args.steps)
+        with split_options(name):  # graphs are captured on the second use of a shape: inside
+            row: dict[str, Any] = {"first_chunk": first_chunk(voc, split, args.rounds)}
+            result.setdefault("variants", {})[name] = row
             save()
+            for b in batches:
+                row[f"steady_{b}"] = steady(voc, split, b, args.steps)
+                save()
         lane.encode, lane.flow_step, lane.generate = graphed  # without the split's synchronising timers
         for b in (int(x) for x in args.host_batches.split(",") if x):
             result.setdefault("host_profile", {}).setdefault(name, {})[f"batch_{b}"] = host_profile(voc, b)

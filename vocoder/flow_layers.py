@@ -69,9 +69,11 @@ class CausalConv1d(nn.Conv1d):
         cache: ConvCache,
         norm: nn.LayerNorm | None = None,
         add: torch.Tensor | None = None,
+        residual: tuple[nn.Conv1d, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """This conv, then (with `norm`) LayerNorm over channels and Mish, then + add[b, c], and the cache
-        update, in one Triton kernel (vocoder/kernels/flow_fused.py); keeps x's layout (vocoder/layout.py)."""
+        """This conv, then (with `norm`) LayerNorm over channels and Mish, then + add[b, c], then + the 1x1
+        conv of `residual` (conv, its input), and the cache update, in Triton kernels
+        (vocoder/kernels/flow_fused.py); keeps x's layout (vocoder/layout.py)."""
         from vocoder.kernels.flow_fused import causal_conv_norm_mish
 
         weight = self.weight
@@ -81,7 +83,8 @@ class CausalConv1d(nn.Conv1d):
             self._taps_key = key
         prev = cache.take(x, self.kernel_size[0] - 1)
         stats = None if norm is None else (norm.weight, norm.bias, norm.eps)
-        y, updated = causal_conv_norm_mish(x, prev, self._taps, self.bias, stats, add, cache.num_valid)
+        res = None if residual is None else (residual[1], residual[0].weight[:, :, 0], residual[0].bias)
+        y, updated = causal_conv_norm_mish(x, prev, self._taps, self.bias, stats, add, cache.num_valid, res)
         if updated is not None:
             cache.updated.append(updated)
         return y
@@ -122,6 +125,8 @@ class CausalResnetBlock(nn.Module):
     def forward(self, x: torch.Tensor, time_bias: torch.Tensor, cache: ConvCache) -> torch.Tensor:
         """x [B, C_in, T], time_bias [B, C_out] (`time_bias(t_emb)`) -> [B, C_out, T]."""
         h = self.block1(x, cache, add=time_bias)
+        if self.block2.use_triton and h.is_cuda:  # block2 and the residual add in its kernels
+            return self.block2.conv.forward_fused(h, cache, self.block2.norm, residual=(self.res_conv, x))
         h = self.block2(h, cache)
         return h + pointwise_conv(self.res_conv, x)
 

@@ -40,6 +40,11 @@ def cat_channels(tensors: list[torch.Tensor], channels_last: bool | None = None)
 def pointwise_conv(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """A kernel-1 Conv1d; on channels-last x as one matmul over frames, its output channels-last too (a conv1d
     would copy x to channels-first first)."""
+    return pointwise(x, conv.weight[:, :, 0], conv.bias)
+
+
+def pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`pointwise_conv` from the conv's [C_out, C_in] weight and bias."""
     if is_channels_last(x):
-        return torch.nn.functional.linear(x.transpose(1, 2), conv.weight[:, :, 0], conv.bias).transpose(1, 2)
-    return conv(x)
+        return torch.nn.functional.linear(x.transpose(1, 2), weight, bias).transpose(1, 2)
+    return torch.nn.functional.conv1d(x, weight[:, :, None], bias)

@@ -50,6 +50,10 @@ LIN_SIG = _ptrs("x_ptr w_ptr b_ptr g_ptr beta_ptr r_ptr y_ptr") | {"M": "i32", "
 CONV_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr g_ptr beta_ptr add_ptr") | {
     "valid_ptr": "*i32", "y_ptr": "*bf16", "upd_ptr": "*bf16", "CO": "i32", "T": "i32",
     "add_stride": "i32", "eps": "fp32"}
+SPLIT_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr rx_ptr rw_ptr rb_ptr h_ptr r_ptr upd_ptr") | {
+    "valid_ptr": "*i32", "CO": "i32", "T": "i32"}
+FINISH_SIG = _ptrs("h_ptr r_ptr g_ptr beta_ptr add_ptr y_ptr") | {"CO": "i32", "T": "i32", "add_stride": "i32",
+                                                                  "eps": "fp32"}
 DECODE_SIG = _ptrs("q_ptr k_ptr v_ptr out_ptr qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr") | _ptrs(
     "part_acc_ptr part_ml_ptr", "*fp32") | {"tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32",
                                             "max_blocks": "i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"}
@@ -88,6 +92,13 @@ CASES = [
        {"HAS_CACHE": True, "HAS_ADD": nm, "HAS_UPDATE": True, "NORM_MISH": nm, "TIME_MAJOR": tm, "IEEE": False,
         "CI": 256, "CTX": 2, "BCO": 256, "BT": 16, "BK": 32})
       for nm, tm in ((True, False), (True, True), (False, True))],
+    *[(f"flow_causal_conv_split[res={res},time_major={tm}]", flow_fused._causal_conv_split_kernel, SPLIT_SIG,
+       {"CI": 256, "CIR": 320, "HAS_CACHE": True, "HAS_RES": res, "HAS_UPDATE": True, "TIME_MAJOR": tm,
+        "RES_TM": tm, "IEEE": False, "CTX": 2, "BCO": 16, "BT": 16, "BK": 128, "BKR": 128})
+      for res, tm in ((True, True), (False, True), (True, False))],
+    *[(f"flow_norm_mish_finish[add={add},res={res}]", flow_fused._norm_mish_finish_kernel, FINISH_SIG,
+       {"HAS_ADD": add, "HAS_RES": res, "TIME_MAJOR": True, "BCO": 256, "BT": 16})
+      for add, res in ((True, False), (False, True))],
     *[(f"flow_add_layer_norm[add={add}]", flow_fused._add_layer_norm_kernel,
        _ptrs("x_ptr y_ptr g_ptr beta_ptr s_ptr n_ptr") | {"M": "i32", "eps": "fp32"},
        {"C": 256, "BC": 256, "ROWS": 16, "HAS_ADD": add}) for add in (True, False)],

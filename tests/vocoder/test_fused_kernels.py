@@ -163,33 +163,57 @@ def test_channels_last_activation_kernel_in_the_triton_interpreter() -> None:
 
 CAUSAL_CONV_SCRIPT = """
 import torch
-from vocoder.flow_layers import CausalBlock, CausalConv1d, ConvCache
+from vocoder.flow_layers import CausalBlock, CausalConv1d, CausalResnetBlock, ConvCache
+from vocoder.kernels import flow_fused
 from vocoder.layout import is_channels_last
 torch.manual_seed(0)
 torch.set_grad_enabled(False)
 worst = 0.0
-for (b, ci, co, t) in [(2, 48, 40, 20), (1, 32, 32, 5), (3, 24, 16, 1), (2, 16, 24, 17)]:
-    block, conv = CausalBlock(ci, co), CausalConv1d(ci, co, 3)
-    for p in [*block.parameters(), *conv.parameters()]:
-        p.data.normal_(0.0, 0.2)
-    x, add, hist = torch.randn(b, t, ci), torch.randn(b, co), torch.randn(b, ci, 2)
-    valid = torch.randint(1, t + 1, (b,))
-    for channels_last in (False, True):
-        xin = x.transpose(1, 2) if channels_last else x.transpose(1, 2).contiguous()
-        for caches, num_valid in (([hist, hist], valid), (None, None)):  # streaming, and a stream's start
-            got, ref = [], []
-            for fused, out in ((True, got), (False, ref)):
-                cache = ConvCache(caches, num_valid)
-                y1 = block.conv.forward_fused(xin, cache, block.norm, add) if fused else block(xin, cache, add)
-                y2 = conv.forward_fused(xin, cache) if fused else conv(xin, cache)
-                if fused:  # the output keeps the input's layout
-                    assert is_channels_last(y1) and is_channels_last(y2) if channels_last or t == 1 else (
-                        y1.is_contiguous() and y2.is_contiguous()), (y1.stride(), y2.stride())
-                out += [y1, y2, *cache.updated]
-            assert len(got) == len(ref) == (4 if caches else 2)
-            for g, r in zip(got, ref):
-                assert g.shape == r.shape, (g.shape, r.shape)
-                worst = max(worst, float((g - r).abs().max()))
+kernels = {"whole": 0, "split": 0, "finish": 0}
+class Counted:  # counts the launches of one kernel
+    def __init__(self, name, kernel):
+        self.name, self.kernel = name, kernel
+    def __getitem__(self, grid):
+        kernels[self.name] += 1
+        return self.kernel[grid]
+for name, attr in (("whole", "_causal_conv_norm_mish_kernel"), ("split", "_causal_conv_split_kernel"),
+                   ("finish", "_norm_mish_finish_kernel")):
+    setattr(flow_fused, attr, Counted(name, getattr(flow_fused, attr)))
+for below in (0, 1 << 30):  # whole-channel kernels only, then the channel split wherever it applies
+    flow_fused.SPLIT_OPTIONS["below"] = below
+    for (b, ci, co, t) in [(2, 48, 40, 20), (1, 32, 32, 5), (3, 24, 16, 1), (2, 16, 24, 17), (1, 40, 64, 3)]:
+        block, conv, res = CausalBlock(ci, co), CausalConv1d(ci, co, 3), CausalResnetBlock(ci, co, 8)
+        for p in [*block.parameters(), *conv.parameters(), *res.parameters()]:
+            p.data.normal_(0.0, 0.2)
+        x, add, hist, hist2 = torch.randn(b, t, ci), torch.randn(b, co), torch.randn(b, ci, 2), torch.randn(b, co, 2)
+        valid = torch.randint(1, t + 1, (b,))
+        for channels_last in (False, True):
+            xin = x.transpose(1, 2) if channels_last else x.transpose(1, 2).contiguous()
+            for caches, num_valid in (([hist, hist, hist, hist2], valid), (None, None)):  # streaming; a start
+                got, ref = [], []
+                for fused, out in ((True, got), (False, ref)):
+                    cache = ConvCache(caches, num_valid)
+                    y1 = block.conv.forward_fused(xin, cache, block.norm, add) if fused else block(xin, cache, add)
+                    y2 = conv.forward_fused(xin, cache) if fused else conv(xin, cache)
+                    if fused:  # the modules take this path on CUDA only: a resnet with its residual fused
+                        h = res.block1.conv.forward_fused(xin, cache, res.block1.norm, add)
+                        y3 = res.block2.conv.forward_fused(h, cache, res.block2.norm, residual=(res.res_conv, xin))
+                    else:
+                        y3 = res(xin, add, cache)
+                    if fused:  # the output keeps the input's layout
+                        assert all(is_channels_last(y) for y in (y1, y2, y3)) if channels_last or t == 1 else all(
+                            y.is_contiguous() for y in (y1, y2, y3)), (y1.stride(), y2.stride(), y3.stride())
+                    out += [y1, y2, y3, *cache.updated]
+                assert len(got) == len(ref) == (7 if caches else 3)
+                for g, r in zip(got, ref):
+                    assert g.shape == r.shape, (g.shape, r.shape)
+                    worst = max(worst, float((g - r).abs().max()))
+    if below == 0:
+        assert kernels["split"] == kernels["finish"] == 0 and kernels["whole"] == 5 * 4 * 4, kernels
+# then split: every conv with >= 32 output channels (3 of the 5 shapes; 4 convs each, 2 layouts x 2 cache
+# modes), the norm kernel finishing the 3 with a norm; the 16- and 24-channel shapes stay whole
+assert kernels["split"] == 3 * 4 * 4 and kernels["finish"] == 3 * 4 * 3, kernels
+assert kernels["whole"] == 5 * 4 * 4 + 2 * 4 * 4, kernels
 from vocoder.kernels.flow_fused import add_layer_norm
 for m, c in ((37, 256), (16, 48), (1, 40)):  # rows of the many-row transformer path; masked lanes, one row
     norm = torch.nn.LayerNorm(c)
@@ -253,3 +277,14 @@ def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
     transformer block's modules, the block's fused path against its PyTorch path, and BigVGAN's channels-last
     conv bias add against PyTorch's."""
     assert _interpreter_worst(CAUSAL_CONV_SCRIPT) < 2e-5  # float32, sums in another order
+
+
+def test_causal_conv_splits_output_channels_only_for_few_programs() -> None:
+    """Channel slices of the estimator's causal conv by programs (rows x 16-frame tiles) and output channels:
+    a first chunk's 2 rows x 1 tile get 16 slices of 16 channels (32 programs instead of 2), more tiles fewer
+    slices, none from 64 programs up or under 32 channels; non-power-of-2 channel counts round up."""
+    pytest.importorskip("triton")
+    from vocoder.kernels.flow_fused import _split_slices
+
+    assert [_split_slices(tiles, 256) for tiles in (1, 2, 4, 8, 16, 32, 63, 64, 640)] == [16, 16, 16, 16, 8, 4, 4, 1, 1]
+    assert [_split_slices(4, co) for co in (40, 32, 24, 16, 80)] == [4, 2, 1, 1, 8]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.launch import pdl_args, pdl_enter
-from vocoder.layout import empty_channels_last, is_channels_last
+from vocoder.layout import empty_channels_last, is_channels_last, pointwise
 
 _GELU_NONE, _GELU_ERF = 0, 1
 
@@ -399,6 +399,20 @@ def _history_frames(
 
 
 @triton.jit
+def _norm_mish(h, mask, g, bb, eps, CO, dtype: tl.constexpr):
+    """LayerNorm over axis 0 (channels) of a float32 [channels, frames] tile of conv outputs (lanes outside
+    `mask` left out), rounded to `dtype` as the module stores it, then Mish; float32."""
+    h = tl.where(mask, h, 0.0)
+    mean = tl.sum(h, 0) / CO
+    d = tl.where(mask, h - mean[None, :], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / CO + eps)
+    h = (d * rstd[None, :] * g[:, None] + bb[:, None]).to(dtype).to(tl.float32)
+    sp = tl.where(h > 20.0, h, tl.log(1.0 + tl.exp(tl.minimum(h, 20.0))))  # softplus >= 0
+    e = tl.exp(-2.0 * sp)
+    return h * (1.0 - e) / (1.0 + e)  # mish = h * tanh(softplus(h))
+
+
+@triton.jit
 def _causal_conv_norm_mish_kernel(
     x_ptr,
     cache_ptr,
@@ -455,16 +469,9 @@ def _causal_conv_norm_mish_kernel(
     mask = co_mask[:, None] & (t < T)[None, :]
     if NORM_MISH:
         h = h.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv's stored output
-        h = tl.where(mask, h, 0.0)
-        mean = tl.sum(h, 0) / CO
-        d = tl.where(mask, h - mean[None, :], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / CO + eps)
         g = tl.load(g_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
         bb = tl.load(beta_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
-        h = (d * rstd[None, :] * g[:, None] + bb[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
-        sp = tl.where(h > 20.0, h, tl.log(1.0 + tl.exp(tl.minimum(h, 20.0))))  # softplus >= 0
-        e = tl.exp(-2.0 * sp)
-        y = h * (1.0 - e) / (1.0 + e)  # mish = h * tanh(softplus(h))
+        y = _norm_mish(h, mask, g, bb, eps, CO, y_ptr.dtype.element_ty)
     else:  # a plain causal conv
         y = h
     if HAS_ADD:
@@ -486,6 +493,151 @@ def _causal_conv_norm_mish_kernel(
 CONV_BK = 32  # input channels per step of the causal conv kernel (bench/vocoder_profile.py times others)
 
 
+@triton.jit
+def _causal_conv_split_kernel(
+    x_ptr,
+    cache_ptr,
+    w_ptr,
+    cb_ptr,
+    rx_ptr,
+    rw_ptr,
+    rb_ptr,
+    valid_ptr,
+    h_ptr,
+    r_ptr,
+    upd_ptr,
+    CO,
+    T,
+    CI: tl.constexpr,
+    CIR: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+    TIME_MAJOR: tl.constexpr,
+    RES_TM: tl.constexpr,
+    IEEE: tl.constexpr,
+    CTX: tl.constexpr,
+    BCO: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BKR: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The causal conv of few rows with its output channels split over programs (grid: rows, frame tiles,
+    channel slices of BCO), so a first chunk's conv weight streams through many SMs instead of one per row.
+    Writes the conv's output + bias (rounded to the activation dtype: what the module stores) to h, and with
+    HAS_RES the resnet's 1x1 residual conv of rx (+ its bias) to r; both in x's layout. The norm, Mish and
+    adds run in `_norm_mish_finish_kernel`, which needs whole frames. The slice-0 programs of the first frame
+    tile write the row's cache update. Each weight tile is fetched one step ahead, the first before
+    `pdl_enter`: weights do not depend on the previous kernel."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    co = tl.program_id(2) * BCO + tl.arange(0, BCO)
+    co_mask = co < CO
+    rk = tl.arange(0, BK)
+    NK: tl.constexpr = (CI + BK - 1) // BK
+    STEPS: tl.constexpr = (CTX + 1) * NK
+    w_rows = w_ptr + co[:, None] * CI
+    w_next = tl.load(w_rows + rk[None, :], mask=co_mask[:, None] & (rk < CI)[None, :], other=0.0)  # step 0
+    cb = tl.load(cb_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    x_row = x_ptr + b * CI * T
+    cache_row = cache_ptr + b * CI * CTX
+    acc = tl.zeros([BCO, BT], tl.float32)
+    for s in range(STEPS):  # step s: tap s // NK (reads input frame t + tap - CTX), channels (s % NK) * BK + rk
+        w = w_next
+        s1 = s + 1
+        k1 = (s1 % NK) * BK + rk
+        w_next = tl.load(
+            w_rows + (s1 // NK) * CO * CI + k1[None, :],
+            mask=co_mask[:, None] & ((k1 < CI) & (s1 < STEPS))[None, :],
+            other=0.0,
+        )
+        ci = (s % NK) * BK + rk
+        v = _history_frames(x_row, cache_row, ci, ci < CI, t + (s // NK - CTX), CI, T, HAS_CACHE, CTX, TIME_MAJOR)
+        if IEEE:
+            acc = tl.dot(w, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, v, acc)
+    mask = co_mask[:, None] & (t < T)[None, :]
+    out = b * CO * T + _frame_offsets(co, t, CO, T, TIME_MAJOR)
+    tl.store(h_ptr + out, (acc + cb[:, None]).to(h_ptr.dtype.element_ty), mask=mask)
+    if HAS_RES:  # the 1x1 conv of the resnet's input: [BCO, CIR] @ [CIR, BT]
+        rkr = tl.arange(0, BKR)
+        racc = tl.zeros([BCO, BT], tl.float32)
+        for k0 in range(0, CIR, BKR):
+            cr = k0 + rkr
+            wr = tl.load(rw_ptr + co[:, None] * CIR + cr[None, :], mask=co_mask[:, None] & (cr < CIR)[None, :],
+                         other=0.0)
+            vr = tl.load(rx_ptr + b * CIR * T + _frame_offsets(cr, t, CIR, T, RES_TM),
+                         mask=(cr < CIR)[:, None] & (t < T)[None, :], other=0.0)
+            if IEEE:
+                racc = tl.dot(wr, vr, racc, input_precision="ieee")
+            else:
+                racc = tl.dot(wr, vr, racc)
+        rb = tl.load(rb_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+        tl.store(r_ptr + out, (racc + rb[:, None]).to(r_ptr.dtype.element_ty), mask=mask)
+    if HAS_UPDATE:  # noqa: SIM102 - as in _causal_conv_norm_mish_kernel
+        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            nv = tl.load(valid_ptr + b)
+            c = tl.arange(0, CTX)
+            src_u = nv + c - CTX
+            for k0 in range(0, CI, BK):
+                cu = k0 + rk
+                cu_mask = cu < CI
+                u = _history_frames(x_row, cache_row, cu, cu_mask, src_u, CI, T, HAS_CACHE, CTX, TIME_MAJOR)
+                tl.store(upd_ptr + b * CI * CTX + cu[:, None] * CTX + c[None, :], u, mask=cu_mask[:, None])
+
+
+@triton.jit
+def _norm_mish_finish_kernel(
+    h_ptr,
+    r_ptr,
+    g_ptr,
+    beta_ptr,
+    add_ptr,
+    y_ptr,
+    CO,
+    T,
+    add_stride,
+    eps,
+    HAS_ADD: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    TIME_MAJOR: tl.constexpr,
+    BCO: tl.constexpr,
+    BT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """LayerNorm over the channels of each frame of h (the split conv's output), Mish, + add[b, c], + r (the
+    resnet's residual), rounded as `_causal_conv_norm_mish_kernel` rounds; grid: rows, frame tiles."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    co = tl.arange(0, BCO)
+    co_mask = co < CO
+    g = tl.load(g_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+    bb = tl.load(beta_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    mask = co_mask[:, None] & (t < T)[None, :]
+    off = b * CO * T + _frame_offsets(co, t, CO, T, TIME_MAJOR)
+    h = tl.load(h_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    y = _norm_mish(h, mask, g, bb, eps, CO, y_ptr.dtype.element_ty)
+    if HAS_ADD:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(add_ptr + b * add_stride + co, mask=co_mask, other=0.0).to(tl.float32)[:, None]
+    if HAS_RES:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(r_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Few-row convs split their output channels (`_causal_conv_split_kernel`) while rows x 16-frame tiles are under
+# "below" programs, into slices of at least "min_bco" channels, aiming at "target" programs; "bk" input
+# channels per product step. A resnet of 2 rows x 8 frames (a first chunk's) on the H200: 35.6 us with the
+# whole-channel kernel + the residual's matmul and add, 18.7 us split with bk 128, 15.8 with bk 256, 21.2 with
+# 64; 32-channel slices or 8 warps no better (bench/results/vocoder-split-h200/).
+SPLIT_OPTIONS = {"below": 64, "target": 128, "min_bco": 16, "bk": 256, "warps": 4}
+
+
 def causal_conv_norm_mish(
     x: torch.Tensor,
     cache: torch.Tensor | None,
@@ -494,9 +646,11 @@ def causal_conv_norm_mish(
     norm: tuple[torch.Tensor, torch.Tensor, float] | None,
     add: torch.Tensor | None = None,
     num_valid: torch.Tensor | None = None,
+    residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The estimator's whole CausalBlock in one kernel: causal conv (kernel CTX + 1) over [cache | x],
-    LayerNorm over the channels of each frame, Mish, + add[b, c]; with norm None only the conv (+ add).
+    """The estimator's whole CausalBlock: causal conv (kernel CTX + 1) over [cache | x], LayerNorm over the
+    channels of each frame, Mish, + add[b, c]; with norm None only the conv (+ add); with `residual`
+    (x_res [B, C_res, T], weight [C_out, C_res], bias [C_out]) + the resnet's 1x1 conv of x_res.
 
     x [B, C_in, T], channels-first or channels-last (`vocoder.layout`; the output [B, C_out, T] is stored the
     same way, so the estimator's transformers, which work on frames as rows, need no copies around it);
@@ -504,6 +658,10 @@ def causal_conv_norm_mish(
     (`conv.weight.permute(2, 0, 1)`); norm (weight, bias, eps) over C_out; num_valid [B]: new valid frames
     per row, for the updated cache (the last CTX frames of [cache | x] before row b's padding), returned
     as [B, C_in, CTX], or None without num_valid.
+
+    Many rows x frames: one kernel (`_causal_conv_norm_mish_kernel`, one program per row and 16 frames, all
+    channels; a residual then goes through a matmul and an add). Few (a first chunk): the conv's output
+    channels split over programs, then a norm kernel that also adds the residual (SPLIT_OPTIONS).
     """
     assert x.dim() == 3 and taps.dim() == 3  # CUDA tensors (CPU ones under TRITON_INTERPRET=1, for tests)
     time_major = is_channels_last(x)
@@ -521,9 +679,14 @@ def causal_conv_norm_mish(
         assert add.shape == (b, co), (add.shape, (b, co))
         if add.stride(1) != 1:
             add = add.contiguous()
-    gamma, beta, eps = norm if norm is not None else (conv_bias, conv_bias, 0.0)
-    bco = triton.next_power_of_2(co)
     bt = 16
+    tiles = b * triton.cdiv(t, bt)
+    # (a plain conv is split only without extras: the estimator's plain convs have neither an add nor a residual)
+    slices = _split_slices(tiles, co) if norm is not None or (add is None and residual is None) else 1
+    if slices > 1:
+        _causal_conv_split(x, cache, taps, conv_bias, norm, add, num_valid, residual, y, upd, slices, bt)
+        return y, upd
+    gamma, beta, eps = norm if norm is not None else (conv_bias, conv_bias, 0.0)
     _causal_conv_norm_mish_kernel[(b, triton.cdiv(t, bt))](
         x,
         cache if cache is not None else x,
@@ -547,10 +710,111 @@ def causal_conv_norm_mish(
         TIME_MAJOR=time_major,
         IEEE=x.dtype == torch.float32,
         CTX=ctx,
-        BCO=bco,
+        BCO=triton.next_power_of_2(co),
         BT=bt,
         BK=CONV_BK,
         num_warps=8,
         **pdl_args(),
     )
+    if residual is not None:
+        x_res, weight, bias = residual
+        y = y + pointwise(x_res, weight, bias)
     return y, upd
+
+
+def _split_slices(tiles: int, co: int) -> int:
+    """Channel slices for a conv of `tiles` programs (rows x frame tiles): 1 (the whole-channel kernel) from
+    SPLIT_OPTIONS["below"] up, else a power of 2 towards SPLIT_OPTIONS["target"] programs, slices of at least
+    SPLIT_OPTIONS["min_bco"] channels (the conv products' smallest tile side)."""
+    opts = SPLIT_OPTIONS
+    if tiles >= opts["below"] or co < 2 * opts["min_bco"]:
+        return 1
+    wanted = triton.next_power_of_2(triton.cdiv(opts["target"], tiles))
+    return max(1, min(wanted, triton.next_power_of_2(co) // opts["min_bco"]))
+
+
+def _causal_conv_split(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    taps: torch.Tensor,
+    conv_bias: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    add: torch.Tensor | None,
+    num_valid: torch.Tensor | None,
+    residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    y: torch.Tensor,
+    upd: torch.Tensor | None,
+    slices: int,
+    bt: int,
+) -> None:
+    """`causal_conv_norm_mish` for few rows: the split conv kernel, then with a norm the finishing kernel (norm,
+    Mish, add, residual); a plain conv's output goes straight to y."""
+    b, ci, t = x.shape
+    ctx, co = taps.shape[0] - 1, taps.shape[1]
+    time_major = is_channels_last(x)
+    finish = norm is not None
+    h = torch.empty_like(y) if finish else y  # same layout as y
+    r = None
+    if residual is not None:
+        x_res, r_weight, r_bias = residual
+        assert x_res.shape[0] == b and x_res.shape[2] == t and r_weight.shape == (co, x_res.shape[1]), (
+            x_res.shape, r_weight.shape)
+        res_tm = is_channels_last(x_res)
+        if not res_tm:
+            x_res = x_res.contiguous()
+        r = torch.empty_like(y)
+    bco = triton.next_power_of_2(co) // slices
+    bk = min(SPLIT_OPTIONS["bk"], max(16, triton.next_power_of_2(ci)))
+    cir = residual[0].shape[1] if residual is not None else 16
+    _causal_conv_split_kernel[(b, triton.cdiv(t, bt), slices)](
+        x,
+        cache if cache is not None else x,
+        taps,
+        conv_bias.contiguous(),
+        x_res if residual is not None else x,
+        r_weight.contiguous() if residual is not None else taps,
+        r_bias.contiguous() if residual is not None else conv_bias,
+        num_valid if num_valid is not None else x,
+        h,
+        r if r is not None else h,
+        upd if upd is not None else h,
+        co,
+        t,
+        CI=ci,
+        CIR=cir,
+        HAS_CACHE=cache is not None,
+        HAS_RES=residual is not None,
+        HAS_UPDATE=upd is not None,
+        TIME_MAJOR=time_major,
+        RES_TM=residual is not None and res_tm,
+        IEEE=x.dtype == torch.float32,
+        CTX=ctx,
+        BCO=bco,
+        BT=bt,
+        BK=bk,
+        BKR=min(SPLIT_OPTIONS["bk"], max(16, triton.next_power_of_2(cir))),
+        num_warps=SPLIT_OPTIONS["warps"],
+        **pdl_args(),
+    )
+    if not finish:
+        return
+    gamma, beta, eps = norm
+    _norm_mish_finish_kernel[(b, triton.cdiv(t, bt))](
+        h,
+        r if r is not None else h,
+        gamma.contiguous(),
+        beta.contiguous(),
+        add if add is not None else h,
+        y,
+        co,
+        t,
+        add.stride(0) if add is not None else 0,
+        float(eps),
+        HAS_ADD=add is not None,
+        HAS_RES=residual is not None,
+        TIME_MAJOR=time_major,
+        BCO=triton.next_power_of_2(co),
+        BT=bt,
+        num_warps=8,
+        **pdl_args(),
+    )
