@@ -266,7 +266,7 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
     return out
 
 
-SPLIT_VARIANTS = ((16, 128, 4), (16, 256, 4), (16, 64, 4), (32, 128, 4), (16, 128, 8))  # min_bco, bk, warps
+SPLIT_VARIANTS = ((16, 128, 4), (16, 256, 4), (16, 64, 4), (32, 128, 4), (16, 128, 8))  # bco, bk, warps
 
 
 def time_resnet_split(device: str, dtype: torch.dtype, frames: int) -> dict[str, float]:
@@ -296,9 +296,9 @@ def time_resnet_split(device: str, dtype: torch.dtype, frames: int) -> dict[str,
     row["resnet2_whole_us"] = timed(True)
     flow_fused.SPLIT_OPTIONS.update(saved)
     if flow_fused._split_slices(2 * -(-frames // 16), 256) > 1:  # 2 rows x 16-frame tiles
-        for min_bco, bk, warps in SPLIT_VARIANTS:
-            flow_fused.SPLIT_OPTIONS.update(min_bco=min_bco, bk=bk, warps=warps)
-            row[f"resnet2_split_bco{min_bco}_bk{bk}_w{warps}_us"] = timed(True)
+        for bco, bk, warps in SPLIT_VARIANTS:
+            flow_fused.SPLIT_OPTIONS.update(bco=bco, bk=bk, warps=warps)
+            row[f"resnet2_split_bco{bco}_bk{bk}_w{warps}_us"] = timed(True)
         flow_fused.SPLIT_OPTIONS.update(saved)
     return row
 

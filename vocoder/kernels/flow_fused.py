@@ -630,12 +630,14 @@ def _norm_mish_finish_kernel(
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# Few-row convs split their output channels (`_causal_conv_split_kernel`) while rows x 16-frame tiles are under
-# "below" programs, into slices of at least "min_bco" channels, aiming at "target" programs; "bk" input
-# channels per product step. A resnet of 2 rows x 8 frames (a first chunk's) on the H200: 35.6 us with the
-# whole-channel kernel + the residual's matmul and add, 18.7 us split with bk 128, 15.8 with bk 256, 21.2 with
-# 64; 32-channel slices or 8 warps no better (bench/results/vocoder-split-h200/).
-SPLIT_OPTIONS = {"below": 64, "target": 128, "min_bco": 16, "bk": 256, "warps": 4}
+# Few-row convs split their output channels (`_causal_conv_split_kernel`) into slices of "bco" while rows x
+# 16-frame tiles are under "below" programs; "bk" input channels per product step. The slice width is fixed,
+# not fitted to the grid, so the kernel's compile-time constants do not depend on a step's rows or frames: the
+# variants a server's warm-up compiles are the ones its traffic runs (a new variant compiles for ~1 s). A
+# resnet of 2 rows x 8 frames (a first chunk's) on the H200: 35.3 us with the whole-channel kernel + the
+# residual's matmul and add, 15.6 us split with bk 256, 18.6 with bk 128, 21.1 with 64; 32-channel slices or 8
+# warps no better (bench/results/vocoder-split-h200/).
+SPLIT_OPTIONS = {"below": 64, "bco": 16, "bk": 256, "warps": 4}
 
 
 def causal_conv_norm_mish(
@@ -723,14 +725,13 @@ def causal_conv_norm_mish(
 
 
 def _split_slices(tiles: int, co: int) -> int:
-    """Channel slices for a conv of `tiles` programs (rows x frame tiles): 1 (the whole-channel kernel) from
-    SPLIT_OPTIONS["below"] up, else a power of 2 towards SPLIT_OPTIONS["target"] programs, slices of at least
-    SPLIT_OPTIONS["min_bco"] channels (the conv products' smallest tile side)."""
-    opts = SPLIT_OPTIONS
-    if tiles >= opts["below"] or co < 2 * opts["min_bco"]:
+    """Channel slices for a conv of `tiles` programs (rows x frame tiles) and `co` output channels: 1 (the
+    whole-channel kernel) from SPLIT_OPTIONS["below"] programs up or under two slices' worth of channels, else
+    slices of SPLIT_OPTIONS["bco"] channels (the products' smallest tile side is 16)."""
+    bco = SPLIT_OPTIONS["bco"]
+    if tiles >= SPLIT_OPTIONS["below"] or co < 2 * bco:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(opts["target"], tiles))
-    return max(1, min(wanted, triton.next_power_of_2(co) // opts["min_bco"]))
+    return triton.cdiv(co, bco)
 
 
 def _causal_conv_split(
@@ -763,7 +764,7 @@ def _causal_conv_split(
         if not res_tm:
             x_res = x_res.contiguous()
         r = torch.empty_like(y)
-    bco = triton.next_power_of_2(co) // slices
+    bco = SPLIT_OPTIONS["bco"]
     bk = min(SPLIT_OPTIONS["bk"], max(16, triton.next_power_of_2(ci)))
     cir = residual[0].shape[1] if residual is not None else 16
     _causal_conv_split_kernel[(b, triton.cdiv(t, bt), slices)](
