@@ -10,7 +10,8 @@ its launch and ramp more than its work (bench/results/vocoder-profile-*.json). T
 - `causal_conv_norm_mish`: a whole CausalBlock, the causal conv reading its left context straight from the
   stream's cache, LayerNorm over channels, Mish and the resnet's time bias, plus the cache update: one
   kernel instead of a concatenation, layout conversions around the conv, the conv, a transposed norm,
-  the Mish, the add and the cache gather.
+  the Mish, the add and the cache gather. At few rows (a first chunk) two: the conv split by output
+  channel over many programs, then the norm, Mish and adds, including a resnet's 1x1 residual.
 
 Rounding follows the PyTorch modules they replace: each intermediate the module would store in the
 activation dtype (conv and linear outputs, the norm's output, the GELU's output) is rounded to it here
