@@ -245,6 +245,12 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
             )
             for name, fn in calls:
                 row[f"{name}_{'fused' if fused else 'torch'}_us"] = round(graph_us_per_call([fn] * 200), 2)
+        block.fuse_linears = True
+        for bn in (16, 64):  # output columns per program of the few-row linears (default 32)
+            saved_bn = flow_fused.LINEAR_OPTIONS["small_bn"]
+            flow_fused.LINEAR_OPTIONS["small_bn"] = bn
+            row[f"transformer_fused_bn{bn}_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
+            flow_fused.LINEAR_OPTIONS["small_bn"] = saved_bn
         block.fuse_linears, block.fuse_attention = True, False  # 5 kernels: LN1 + QKV, then the attention kernel
         row["transformer_fused5_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
         block.fuse_attention = True

@@ -355,6 +355,7 @@ def add_layer_norm(
 
 
 SMALL_ROWS = 1024  # up to here the narrow tiles of the few-row steps
+LINEAR_OPTIONS = {"small_bn": 32}  # output columns per program of those tiles (bench/vocoder_profile.py times others)
 # (BM, BN, BK, warps, stages) above SMALL_ROWS: among the best of bench/flow_linear_tiles.py's candidates, yet
 # slower than PyTorch's modules with a norm in front (bench/results/flow-linear-tiles-h200.json), which is why
 # ChunkTransformer sends steps of more than `fused_max_rows` rows to the modules and never gets here.
@@ -366,7 +367,7 @@ def linear_tiles(m: int, k: int) -> tuple[int, int, int, int, int]:
     (a small matrix spread over many programs), GEMM-sized tiles for many (`fused_linear` widens BK to K
     when a norm comes first)."""
     if m <= SMALL_ROWS:
-        return (16 if m <= 16 else 32), 32, min(256, triton.next_power_of_2(k)), 4, 2
+        return (16 if m <= 16 else 32), LINEAR_OPTIONS["small_bn"], min(256, triton.next_power_of_2(k)), 4, 2
     return LARGE_TILES
 
 
