@@ -290,6 +290,127 @@ def ln_qkv_attention(
 
 
 @triton.jit
+def _out_ln_ff1_kernel(
+    a_ptr,
+    wo_ptr,
+    bo_ptr,
+    r_ptr,
+    g_ptr,
+    beta_ptr,
+    w1_ptr,
+    b1_ptr,
+    h_ptr,
+    f_ptr,
+    M,
+    N,
+    eps,
+    KA: tl.constexpr,
+    C: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKA: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """A transformer block's out projection + residual, LN2, FF1 and GELU for BM rows and BN of FF1's N
+    columns: every program computes the whole out projection of its rows (a [BM, KA] x [KA, C] product; the
+    weight comes from L2 after the first program) so that LN2 sees whole rows, and the programs of column
+    tile 0 store the residual sum h for FF2. Rounded as fused_linear's two launches round."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BKA)
+    m_mask = rm < M
+    n_mask = rn < N
+    # parameters first (they do not depend on the previous kernel): FF1's [C, BN] tile, the norm, the biases
+    w1 = tl.load(w1_ptr + rn[None, :].to(tl.int64) * C + rc[:, None], mask=n_mask[None, :], other=0.0)
+    g = tl.load(g_ptr + rc).to(tl.float32)
+    bb = tl.load(beta_ptr + rc).to(tl.float32)
+    bo = tl.load(bo_ptr + rc).to(tl.float32)
+    b1 = tl.load(b1_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BM, C], tl.float32)
+    for k0 in range(0, KA, BKA):
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * KA + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0)
+        wo = tl.load(wo_ptr + rc[None, :] * KA + (k0 + rk)[:, None])  # Wo^T tile [BKA, C]
+        if IEEE:
+            acc = tl.dot(a, wo, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, wo, acc)
+    o = (acc + bo[None, :]).to(h_ptr.dtype.element_ty).to(tl.float32)  # the out projection's stored output
+    row_off = rm[:, None].to(tl.int64) * C + rc[None, :]
+    h = (o + tl.load(r_ptr + row_off, mask=m_mask[:, None], other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+    if tl.program_id(1) == 0:
+        tl.store(h_ptr + row_off, h, mask=m_mask[:, None])
+    x = _layer_norm_rows(h.to(tl.float32), rc[None, :] < C, g, bb, eps, C).to(w1_ptr.dtype.element_ty)
+    if IEEE:
+        y = tl.dot(x, w1, input_precision="ieee")
+    else:
+        y = tl.dot(x, w1)
+    y = (y + b1[None, :]).to(f_ptr.dtype.element_ty).to(tl.float32)  # FF1's stored output
+    y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))  # exact GELU
+    out_off = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(f_ptr + out_off, y.to(f_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def out_ln_ff1(
+    a: torch.Tensor,
+    out_weight: torch.Tensor,
+    out_bias: torch.Tensor,
+    residual: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float],
+    ff1_weight: torch.Tensor,
+    ff1_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, f) = (residual + a @ out_weight.T + out_bias, GELU(LN(h) @ ff1_weight.T + ff1_bias)) in one kernel,
+    as `fused_linear(a, out_weight, out_bias, residual=residual)` then `fused_linear(h, ff1_weight, ff1_bias,
+    norm=norm, gelu=True)` compute them. a [M, KA], out_weight [C, KA], residual [M, C], ff1_weight [N, C];
+    C a power of 2 up to 256 (rows held whole)."""
+    assert a.dim() == 2 and residual.dim() == 2  # CUDA tensors (CPU ones under TRITON_INTERPRET=1, for tests)
+    a, residual = a.contiguous(), residual.contiguous()
+    m, ka = a.shape
+    c = out_weight.shape[0]
+    n = ff1_weight.shape[0]
+    assert out_weight.shape == (c, ka) and residual.shape == (m, c) and ff1_weight.shape == (n, c), (
+        a.shape, out_weight.shape, residual.shape, ff1_weight.shape)
+    assert c == triton.next_power_of_2(c) and 16 <= c <= 256 and ka % 16 == 0, (c, ka)
+    h = torch.empty(m, c, device=a.device, dtype=a.dtype)
+    f = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    if m == 0:
+        return h, f
+    gamma, beta, eps = norm
+    bm = 16 if m <= 16 else 32
+    bn = LINEAR_OPTIONS["small_bn"]
+    bka = min(64, triton.next_power_of_2(ka))
+    assert ka % bka == 0, (ka, bka)
+    _out_ln_ff1_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        a,
+        out_weight.contiguous(),
+        out_bias.contiguous(),
+        residual,
+        gamma.contiguous(),
+        beta.contiguous(),
+        ff1_weight.contiguous(),
+        ff1_bias.contiguous(),
+        h,
+        f,
+        m,
+        n,
+        float(eps),
+        KA=ka,
+        C=c,
+        IEEE=a.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BKA=bka,
+        num_warps=4,
+        num_stages=2,
+        **pdl_args(),
+    )
+    return h, f
+
+
+@triton.jit
 def _add_layer_norm_kernel(
     x_ptr,
     y_ptr,
