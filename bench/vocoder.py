@@ -86,7 +86,7 @@ def build_base(args: argparse.Namespace) -> StreamingVocoder:
 def copy_vocoder(
     base: StreamingVocoder, *, dtype: torch.dtype, triton_kernels: bool, flow_fusion: bool = True,
     pdl: str = "auto", channels_last: bool | None = None, flow_channels_last: bool = True,
-    flow_norms: bool = True, flow_attention: bool = True, flow_out_ff1: bool = True,
+    flow_norms: bool = True, flow_attention: bool = True,
 ) -> StreamingVocoder:
     """A new vocoder with copies of the base's weights, in `dtype`, with or without the Triton kernels;
     flow_fusion False keeps only the activation and chunk attention kernels (the estimator's norms,
@@ -94,8 +94,7 @@ def copy_vocoder(
     False keeps the estimator's data channels-first with its plain causal convs in PyTorch, as before the
     estimator went channels-last; flow_norms False keeps PyTorch's LayerNorms and residual adds in the
     estimator's transformers at many rows (`ChunkTransformer.fuse_norms`); flow_attention False keeps their
-    few-row attention a kernel of its own after LN1 + QKV (`ChunkTransformer.fuse_attention`); flow_out_ff1
-    False keeps their few-row out projection and LN2 + FF1 two kernels (`ChunkTransformer.fuse_out_ff1`)."""
+    few-row attention a kernel of its own after LN1 + QKV (`ChunkTransformer.fuse_attention`)."""
     voc = StreamingVocoder(
         base.config,
         copy.deepcopy(base.flow),
@@ -114,7 +113,6 @@ def copy_vocoder(
         if isinstance(module, ChunkTransformer):
             module.fuse_norms = flow_norms
             module.fuse_attention = flow_attention
-            module.fuse_out_ff1 = flow_out_ff1
             module.fuse_linears = module.fuse_linears and flow_fusion
         elif (type(module) is CausalConv1d and plain_convs) or (isinstance(module, CausalBlock) and not flow_fusion):
             module.use_triton = False  # without flow_fusion: the estimator as before vocoder/kernels/flow_fused.py

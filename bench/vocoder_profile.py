@@ -251,11 +251,9 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
             flow_fused.LINEAR_OPTIONS["small_bn"] = bn
             row[f"transformer_fused_bn{bn}_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
             flow_fused.LINEAR_OPTIONS["small_bn"] = saved_bn
-        block.fuse_out_ff1 = False  # 4 kernels: the out projection and LN2 + FF1 apart
-        row["transformer_fused4_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
-        block.fuse_linears, block.fuse_attention = True, False  # 5: LN1 + QKV, then the attention kernel
+        block.fuse_linears, block.fuse_attention = True, False  # 5 kernels: LN1 + QKV, then the attention kernel
         row["transformer_fused5_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
-        block.fuse_attention = block.fuse_out_ff1 = True
+        block.fuse_attention = True
         # the many-row transformer path (norm kernels, cuBLAS linears) and the causal block on channels-last data
         block.fuse_linears, block.fused_max_rows, causal.use_triton = True, 0, True
         row["transformer_rows_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
@@ -554,8 +552,6 @@ def main() -> None:
         "attn5": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
                                                     flow_attention=False),
         "nosplit": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda),
-        "out4": lambda: bench_vocoder.copy_vocoder(base, dtype=base.dtype, triton_kernels=on_cuda,
-                                                   flow_out_ff1=False),
         "package": lambda: base,
     }
     names = list(dict.fromkeys([*args.variants.split(","), "package"]))

@@ -153,7 +153,6 @@ class ChunkTransformer(nn.Module):
         self.fuse_linears = True  # with use_triton: norms, linears, GELU, residuals fused (flow_fused.py)
         self.fuse_norms = True  # with fuse_linears, above fused_max_rows: the norms (and an add) as kernels
         self.fuse_attention = True  # with fuse_linears, up to fused_max_rows: LN1 + QKV + attention as one kernel
-        self.fuse_out_ff1 = True  # with fuse_linears, up to fused_max_rows: out + residual, LN2, FF1 in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C] -> [B, T, C] (frames as rows, so stacked blocks need no layout change between them);
@@ -201,7 +200,7 @@ class ChunkTransformer(nn.Module):
         5, the attention a kernel of its own after LN1+QKV. (The attention inside the out projection's
         programs, each recomputing every head for its rows, was slower: bench/results/vocoder-attn-out-h200/.)"""
         from vocoder.kernels.chunk_attention import chunk_attention
-        from vocoder.kernels.flow_fused import fused_linear, ln_qkv_attention, out_ln_ff1
+        from vocoder.kernels.flow_fused import fused_linear, ln_qkv_attention
 
         b, t, c = x.shape
         h = x.reshape(b * t, c)
@@ -212,12 +211,8 @@ class ChunkTransformer(nn.Module):
         else:
             qkv = fused_linear(h, self.qkv.weight, norm=(n1.weight, n1.bias, n1.eps))
             a = chunk_attention(qkv, self.num_heads, self.head_dim, self.chunk)
-        if self.fuse_out_ff1 and 16 <= c <= 256 and c & (c - 1) == 0:  # rows held whole in its programs
-            h, f = out_ln_ff1(a, self.out.weight, self.out.bias, h, (n2.weight, n2.bias, n2.eps), self.ff[0].weight,
-                              self.ff[0].bias)
-        else:
-            h = fused_linear(a, self.out.weight, self.out.bias, residual=h)
-            f = fused_linear(h, self.ff[0].weight, self.ff[0].bias, norm=(n2.weight, n2.bias, n2.eps), gelu=True)
+        h = fused_linear(a, self.out.weight, self.out.bias, residual=h)
+        f = fused_linear(h, self.ff[0].weight, self.ff[0].bias, norm=(n2.weight, n2.bias, n2.eps), gelu=True)
         h = fused_linear(f, self.ff[2].weight, self.ff[2].bias, residual=h)
         return h.reshape(b, t, c)
 

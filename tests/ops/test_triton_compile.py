@@ -99,10 +99,6 @@ CASES = [
     *[(f"flow_norm_mish_finish[add={add},res={res}]", flow_fused._norm_mish_finish_kernel, FINISH_SIG,
        {"HAS_ADD": add, "HAS_RES": res, "TIME_MAJOR": True, "BCO": 256, "BT": 16})
       for add, res in ((True, False), (False, True))],
-    ("flow_out_ln_ff1", flow_fused._out_ln_ff1_kernel,
-     _ptrs("a_ptr wo_ptr bo_ptr r_ptr g_ptr beta_ptr w1_ptr b1_ptr h_ptr f_ptr") | {"M": "i32", "N": "i32",
-                                                                                   "eps": "fp32"},
-     {"KA": 512, "C": 256, "IEEE": False, "BM": 16, "BN": 32, "BKA": 64}),
     *[(f"flow_add_layer_norm[add={add}]", flow_fused._add_layer_norm_kernel,
        _ptrs("x_ptr y_ptr g_ptr beta_ptr s_ptr n_ptr") | {"M": "i32", "eps": "fp32"},
        {"C": 256, "BC": 256, "ROWS": 16, "HAS_ADD": add}) for add in (True, False)],
