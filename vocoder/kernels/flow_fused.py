@@ -401,6 +401,23 @@ def _history_frames(
 
 
 @triton.jit
+def _store_cache_update(
+    x_row, cache_row, valid_ptr, upd_ptr, b, CI: tl.constexpr, T, HAS_CACHE: tl.constexpr, CTX: tl.constexpr,
+    TIME_MAJOR: tl.constexpr, BK: tl.constexpr,
+):
+    """Row b's new conv cache [CI, CTX]: the last CTX frames of [cache | x] before the row's padding (its
+    valid_ptr[b] new frames)."""
+    nv = tl.load(valid_ptr + b)
+    c = tl.arange(0, CTX)
+    src = nv + c - CTX  # frame in x; negative: frame CTX + src of the old cache
+    for k0 in range(0, CI, BK):
+        ci = k0 + tl.arange(0, BK)
+        ci_mask = ci < CI
+        u = _history_frames(x_row, cache_row, ci, ci_mask, src, CI, T, HAS_CACHE, CTX, TIME_MAJOR)
+        tl.store(upd_ptr + b * CI * CTX + ci[:, None] * CTX + c[None, :], u, mask=ci_mask[:, None])
+
+
+@triton.jit
 def _norm_mish(h, mask, g, bb, eps, CO, dtype: tl.constexpr):
     """LayerNorm over axis 0 (channels) of a float32 [channels, frames] tile of conv outputs (lanes outside
     `mask` left out), rounded to `dtype` as the module stores it, then Mish; float32."""
@@ -480,16 +497,9 @@ def _causal_conv_norm_mish_kernel(
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         y += tl.load(add_ptr + b * add_stride + co, mask=co_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + b * CO * T + _frame_offsets(co, t, CO, T, TIME_MAJOR), y.to(y_ptr.dtype.element_ty), mask=mask)
-    if HAS_UPDATE:  # noqa: SIM102 - the row's new cache: the last CTX of [cache | x] before its padding
+    if HAS_UPDATE:  # noqa: SIM102 - one program per row writes its new cache
         if tl.program_id(1) == 0:
-            nv = tl.load(valid_ptr + b)
-            c = tl.arange(0, CTX)
-            src_u = nv + c - CTX  # frame in x; negative: frame CTX + src_u of the old cache
-            for k0 in range(0, CI, BK):
-                ci = k0 + rk
-                ci_mask = ci < CI
-                u = _history_frames(x_row, cache_row, ci, ci_mask, src_u, CI, T, HAS_CACHE, CTX, TIME_MAJOR)
-                tl.store(upd_ptr + b * CI * CTX + ci[:, None] * CTX + c[None, :], u, mask=ci_mask[:, None])
+            _store_cache_update(x_row, cache_row, valid_ptr, upd_ptr, b, CI, T, HAS_CACHE, CTX, TIME_MAJOR, BK)
 
 
 CONV_BK = 32  # input channels per step of the causal conv kernel (bench/vocoder_profile.py times others)
@@ -579,16 +589,9 @@ def _causal_conv_split_kernel(
                 racc = tl.dot(wr, vr, racc)
         rb = tl.load(rb_ptr + co, mask=co_mask, other=0.0).to(tl.float32)
         tl.store(r_ptr + out, (racc + rb[:, None]).to(r_ptr.dtype.element_ty), mask=mask)
-    if HAS_UPDATE:  # noqa: SIM102 - as in _causal_conv_norm_mish_kernel
+    if HAS_UPDATE:  # noqa: SIM102 - one program per row writes its new cache
         if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
-            nv = tl.load(valid_ptr + b)
-            c = tl.arange(0, CTX)
-            src_u = nv + c - CTX
-            for k0 in range(0, CI, BK):
-                cu = k0 + rk
-                cu_mask = cu < CI
-                u = _history_frames(x_row, cache_row, cu, cu_mask, src_u, CI, T, HAS_CACHE, CTX, TIME_MAJOR)
-                tl.store(upd_ptr + b * CI * CTX + cu[:, None] * CTX + c[None, :], u, mask=cu_mask[:, None])
+            _store_cache_update(x_row, cache_row, valid_ptr, upd_ptr, b, CI, T, HAS_CACHE, CTX, TIME_MAJOR, BK)
 
 
 @triton.jit
