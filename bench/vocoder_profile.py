@@ -300,6 +300,8 @@ def time_resnet_split(device: str, dtype: torch.dtype, frames: int) -> dict[str,
     row = {"resnet2_torch_us": timed(False)}
     flow_fused.SPLIT_OPTIONS["below"] = 0
     row["resnet2_whole_us"] = timed(True)
+    flow_fused.SPLIT_OPTIONS["below"] = 1 << 30  # the split at any size (the default stops at "below" programs)
+    row["resnet2_split_any_us"] = timed(True)
     flow_fused.SPLIT_OPTIONS.update(saved)
     if flow_fused._split_slices(2 * -(-frames // 16), 256) > 1:  # 2 rows x 16-frame tiles
         for bco, bk, warps in SPLIT_VARIANTS:
