@@ -641,7 +641,8 @@ def _norm_mish_finish_kernel(
 # variants a server's warm-up compiles are the ones its traffic runs (a new variant compiles for ~1 s). A
 # resnet of 2 rows x 8 frames (a first chunk's) on the H200: 35.3 us with the whole-channel kernel + the
 # residual's matmul and add, 15.6 us split with bk 256, 18.6 with bk 128, 21.1 with 64; 32-channel slices or 8
-# warps no better (bench/results/vocoder-split-h200/).
+# warps no better; the split wins up to 40 programs (2 rows x 320 frames: 32.9 against 38.8 us) and loses
+# from 80 (55.1 against 38.8 us) (bench/results/vocoder-split-h200/).
 SPLIT_OPTIONS = {"below": 64, "bco": 16, "bk": 256, "warps": 4}
 
 
