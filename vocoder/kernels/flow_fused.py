@@ -638,7 +638,7 @@ def _norm_mish_finish_kernel(
 # Few-row convs split their output channels (`_causal_conv_split_kernel`) into slices of "bco" while rows x
 # 16-frame tiles are under "below" programs; "bk" input channels per product step. The slice width is fixed,
 # not fitted to the grid, so the kernel's compile-time constants do not depend on a step's rows or frames: the
-# variants a server's warm-up compiles are the ones its traffic runs (a new variant compiles for ~1 s). A
+# variants a server's warm-up compiles do not depend on the sizes of the steps that follow. A
 # resnet of 2 rows x 8 frames (a first chunk's) on the H200: 35.3 us with the whole-channel kernel + the
 # residual's matmul and add, 15.6 us split with bk 256, 18.6 with bk 128, 21.1 with 64; 32-channel slices or 8
 # warps no better; the split wins up to 40 programs (2 rows x 320 frames: 32.9 against 38.8 us) and loses
