@@ -216,6 +216,18 @@ def check_flow_fusion(device: str) -> dict[str, float]:
     return worst
 
 
+@contextlib.contextmanager
+def overridden(options: dict[str, Any], **values: Any) -> Iterator[None]:
+    """Set keys of a kernel module's options dict (flow_fused.SPLIT_OPTIONS, LINEAR_OPTIONS) for the block,
+    then put the old values back."""
+    saved = {key: options[key] for key in values}
+    options.update(values)
+    try:
+        yield
+    finally:
+        options.update(saved)
+
+
 def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> dict[str, Any]:
     """Microseconds per call of one estimator transformer block and one causal block (with a time bias),
     fused kernels vs PyTorch (+ the chunk attention kernel), 200 calls captured in one CUDA graph
@@ -247,10 +259,8 @@ def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> d
                 row[f"{name}_{'fused' if fused else 'torch'}_us"] = round(graph_us_per_call([fn] * 200), 2)
         block.fuse_linears = True
         for bn in (16, 64):  # output columns per program of the few-row linears (default 32)
-            saved_bn = flow_fused.LINEAR_OPTIONS["small_bn"]
-            flow_fused.LINEAR_OPTIONS["small_bn"] = bn
-            row[f"transformer_fused_bn{bn}_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
-            flow_fused.LINEAR_OPTIONS["small_bn"] = saved_bn
+            with overridden(flow_fused.LINEAR_OPTIONS, small_bn=bn):
+                row[f"transformer_fused_bn{bn}_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
         block.fuse_linears, block.fuse_attention = True, False  # 5 kernels: LN1 + QKV, then the attention kernel
         row["transformer_fused5_us"] = round(graph_us_per_call([functools.partial(block, x)] * 200), 2)
         block.fuse_attention = True
@@ -296,18 +306,15 @@ def time_resnet_split(device: str, dtype: torch.dtype, frames: int) -> dict[str,
             sub.use_triton = fused
         return round(graph_us_per_call([lambda: resnet(x, bias, ConvCache(caches, valid))] * 100), 2)
 
-    saved = dict(flow_fused.SPLIT_OPTIONS)
     row = {"resnet2_torch_us": timed(False)}
-    flow_fused.SPLIT_OPTIONS["below"] = 0
-    row["resnet2_whole_us"] = timed(True)
-    flow_fused.SPLIT_OPTIONS["below"] = 1 << 30  # the split at any size (the default stops at "below" programs)
-    row["resnet2_split_any_us"] = timed(True)
-    flow_fused.SPLIT_OPTIONS.update(saved)
+    with overridden(flow_fused.SPLIT_OPTIONS, below=0):
+        row["resnet2_whole_us"] = timed(True)
+    with overridden(flow_fused.SPLIT_OPTIONS, below=1 << 30):  # the split at any size (it stops at "below")
+        row["resnet2_split_any_us"] = timed(True)
     if flow_fused._split_slices(2 * -(-frames // 16), 256) > 1:  # 2 rows x 16-frame tiles
         for bco, bk, warps in SPLIT_VARIANTS:
-            flow_fused.SPLIT_OPTIONS.update(bco=bco, bk=bk, warps=warps)
-            row[f"resnet2_split_bco{bco}_bk{bk}_w{warps}_us"] = timed(True)
-        flow_fused.SPLIT_OPTIONS.update(saved)
+            with overridden(flow_fused.SPLIT_OPTIONS, bco=bco, bk=bk, warps=warps):
+                row[f"resnet2_split_bco{bco}_bk{bk}_w{warps}_us"] = timed(True)
     return row
 
 
@@ -320,12 +327,8 @@ def split_options(variant: str) -> Iterator[None]:
         return
     from vocoder.kernels import flow_fused
 
-    saved = dict(flow_fused.SPLIT_OPTIONS)
-    flow_fused.SPLIT_OPTIONS["below"] = 0
-    try:
+    with overridden(flow_fused.SPLIT_OPTIONS, below=0):
         yield
-    finally:
-        flow_fused.SPLIT_OPTIONS.update(saved)
 
 
 def first_chunk(voc: StreamingVocoder, split: Split, rounds: int) -> dict[str, Any]:

@@ -759,28 +759,27 @@ def _causal_conv_split(
     b, ci, t = x.shape
     ctx, co = taps.shape[0] - 1, taps.shape[1]
     time_major = is_channels_last(x)
-    finish = norm is not None
-    h = torch.empty_like(y) if finish else y  # same layout as y
-    r = None
-    if residual is not None:
-        x_res, r_weight, r_bias = residual
-        assert x_res.shape[0] == b and x_res.shape[2] == t and r_weight.shape == (co, x_res.shape[1]), (
-            x_res.shape, r_weight.shape)
-        res_tm = is_channels_last(x_res)
-        if not res_tm:
-            x_res = x_res.contiguous()
-        r = torch.empty_like(y)
-    bco = SPLIT_OPTIONS["bco"]
-    bk = min(SPLIT_OPTIONS["bk"], max(16, triton.next_power_of_2(ci)))
-    cir = residual[0].shape[1] if residual is not None else 16
+    h = y if norm is None else torch.empty_like(y)  # the conv's output (same layout as y)
+    r = None if residual is None else torch.empty_like(y)  # the residual conv's output
+    # without a residual its pointers are never read: the conv's own stand in
+    x_res, r_weight, r_bias = residual if residual is not None else (x, taps[0], conv_bias)
+    assert x_res.shape[0] == b and x_res.shape[2] == t and r_weight.shape[0] == co, (x_res.shape, r_weight.shape)
+    res_tm = is_channels_last(x_res)
+    if not res_tm:
+        x_res = x_res.contiguous()
+    cir = x_res.shape[1]
+
+    def step(channels: int) -> int:  # input channels per product step
+        return min(SPLIT_OPTIONS["bk"], max(16, triton.next_power_of_2(channels)))
+
     _causal_conv_split_kernel[(b, triton.cdiv(t, bt), slices)](
         x,
         cache if cache is not None else x,
         taps,
         conv_bias.contiguous(),
-        x_res if residual is not None else x,
-        r_weight.contiguous() if residual is not None else taps,
-        r_bias.contiguous() if residual is not None else conv_bias,
+        x_res,
+        r_weight.contiguous(),
+        r_bias.contiguous(),
         num_valid if num_valid is not None else x,
         h,
         r if r is not None else h,
@@ -793,17 +792,17 @@ def _causal_conv_split(
         HAS_RES=residual is not None,
         HAS_UPDATE=upd is not None,
         TIME_MAJOR=time_major,
-        RES_TM=residual is not None and res_tm,
+        RES_TM=res_tm,
         IEEE=x.dtype == torch.float32,
         CTX=ctx,
-        BCO=bco,
+        BCO=SPLIT_OPTIONS["bco"],
         BT=bt,
-        BK=bk,
-        BKR=min(SPLIT_OPTIONS["bk"], max(16, triton.next_power_of_2(cir))),
+        BK=step(ci),
+        BKR=step(cir),
         num_warps=SPLIT_OPTIONS["warps"],
         **pdl_args(),
     )
-    if not finish:
+    if norm is None:
         return
     gamma, beta, eps = norm
     _norm_mish_finish_kernel[(b, triton.cdiv(t, bt))](
