@@ -135,7 +135,8 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
                         "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
                         "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
-                        "vocoder_chunk_schedule_codes", "vocoder_urgent_buffer_s", "vocoder_batching",
+                        "vocoder_chunk_schedule_codes", "vocoder_light_load_schedule_codes",
+                        "vocoder_light_load_max_sessions", "vocoder_urgent_buffer_s", "vocoder_batching",
                         "vocoder_step_code_budget", "vocoder_urgent_step_code_budget",
                         "vocoder_fast_lane_code_budget")}
     return dict(args.get("engine", {})), vocoder

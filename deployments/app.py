@@ -79,6 +79,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "warmup_rows": args.vocoder_warmup_rows,
                       "reserved_sessions": args.vocoder_reserved_sessions,
                       "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
+                      "light_load_schedule_codes": args.vocoder_light_load_schedule_codes,
+                      "light_load_max_sessions": args.vocoder_light_load_max_sessions,
                       "triton_kernels": args.vocoder_triton_kernels,
                       "fast_lane_code_budget": args.vocoder_fast_lane_code_budget}
     llm_app = llm.bind(dict(args.engine))

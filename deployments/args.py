@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Serve deployment options accepted under `llm_options` / `vocoder_options` / `ingress_options`.
 # `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`, `env_vars` (name -> string) into its
@@ -71,6 +71,11 @@ class AppArgs(BaseModel):
     # None: the preset's (2, 3, 5, 10, 25). A bigger first chunk costs first-audio time and buys the
     # listener more buffered audio before the second chunk is due (docs/vocoder.md, Chunk schedule).
     vocoder_chunk_schedule_codes: list[int] | None = None
+    # A second schedule for streams that open while the vocoder replica has at most
+    # `vocoder_light_load_max_sessions` open streams (the new one included), e.g. a smaller first chunk for
+    # an earlier first audio when nothing else competes (vocoder StreamConfig, docs/vocoder.md). None: off.
+    vocoder_light_load_schedule_codes: list[int] | None = None
+    vocoder_light_load_max_sessions: int = Field(default=1, ge=1)
     # The vocoder's Triton kernels (fused BigVGAN activation, chunk attention; vocoder/kernels/).
     # None: on wherever CUDA and Triton are present; false forces the bigvgan package's modules and SDPA.
     vocoder_triton_kernels: bool | None = None
@@ -121,11 +126,11 @@ class AppArgs(BaseModel):
     def _validate_options(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _check_options(value)
 
-    @field_validator("vocoder_chunk_schedule_codes")
+    @field_validator("vocoder_chunk_schedule_codes", "vocoder_light_load_schedule_codes")
     @classmethod
-    def _validate_schedule(cls, value: list[int] | None) -> list[int] | None:
+    def _validate_schedule(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if value is not None and (not value or min(value) < 1):
-            raise ValueError(f"vocoder_chunk_schedule_codes must be non-empty sizes >= 1, got {value}")
+            raise ValueError(f"{info.field_name} must be non-empty sizes >= 1, got {value}")
         return value
 
     @field_validator("vocoder_warmup_rows")

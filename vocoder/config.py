@@ -151,6 +151,12 @@ class StreamConfig:
     follow `chunk_schedule_codes` at fixed code positions, so the audio depends on the codes only, not on
     how they were pushed or batched. latency "exact": wait for BigVGAN's whole right context (streamed PCM
     == whole PCM up to float rounding); chunking by `first_chunk_codes` / `chunk_codes`.
+
+    Light load (low latency only): a session opened while at most `light_load_max_sessions` sessions are
+    open (itself included) follows `light_load_schedule_codes` instead, e.g. a smaller first chunk for an
+    earlier first audio when nothing else competes for the GPU; its audio then depends on its codes and
+    the schedule it opened with. Give it the main schedule's later sizes (e.g. (2, 3, 5, 10, 25) beside
+    (4, 5, 10, 25)), so that its chunks pad to shapes the main schedule's warm-up captured.
     """
 
     latency: str = "low"
@@ -159,6 +165,8 @@ class StreamConfig:
     overlap_samples: int = 1920  # low: held back at a chunk's end, crossfaded with the next chunk
     first_chunk_codes: int = 2  # exact: emit as soon as this many codes of final PCM exist
     chunk_codes: int = 8  # exact: later chunks wait for this many codes of final PCM (amortises the window)
+    light_load_schedule_codes: tuple[int, ...] | None = None  # low: sessions opened under light load
+    light_load_max_sessions: int = 1  # light load: at most this many open sessions, the new one included
     # None = exact mode: the generator's exact receptive field (streamed PCM == whole PCM up to rounding);
     # low mode: left = exact field, right = 0. Other values trade exactness for latency (docs/vocoder.md).
     vocoder_left_context_frames: int | None = None
@@ -174,6 +182,16 @@ class StreamConfig:
             raise ValueError("chunk_schedule_codes must be a non-empty tuple of sizes >= 1")
         if not 0 <= self.overlap_samples < SAMPLES_PER_CODE * min(self.chunk_schedule_codes):
             raise ValueError("overlap_samples must be >= 0 and shorter than the smallest scheduled chunk")
+        light = self.light_load_schedule_codes
+        if light is not None:
+            if self.latency != "low":
+                raise ValueError("light_load_schedule_codes needs latency 'low'")
+            if not light or min(light) < 1:
+                raise ValueError("light_load_schedule_codes must be a non-empty tuple of sizes >= 1")
+            if self.overlap_samples >= SAMPLES_PER_CODE * min(light):
+                raise ValueError("overlap_samples must be shorter than the smallest light-load chunk")
+            if self.light_load_max_sessions < 1:
+                raise ValueError("light_load_max_sessions must be >= 1")
         for value in (self.vocoder_left_context_frames, self.vocoder_right_context_frames):
             if value is not None and value < 0:
                 raise ValueError("vocoder context frames must be >= 0")

@@ -38,6 +38,7 @@ class VocoderSession:
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     is_closed: bool = False
     lane: int = 0  # the StreamingVocoder lane of its last call (its tensors were made on that lane's stream)
+    schedule: tuple[int, ...] = ()  # low latency: the chunk sizes (codes) it follows, fixed at open
 
     @property
     def num_prompt_codes(self) -> int:

@@ -18,7 +18,14 @@ from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.transfer import to_device
 from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
-from vocoder.config import HOP_LENGTH, LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, VocoderConfig
+from vocoder.config import (
+    HOP_LENGTH,
+    LOOKAHEAD_CODES,
+    MEL_FRAMES_PER_CODE,
+    NUM_AUDIO_CODES,
+    SAMPLES_PER_CODE,
+    VocoderConfig,
+)
 from vocoder.flow import FlowDecoder
 from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
 from vocoder.graphs import GraphedFunction
@@ -292,7 +299,7 @@ class StreamingVocoder:
 
     def warm_up(
         self, rows: Sequence[int], *, voice: str = "default", seed: int = 0, push_sizes: Sequence[int] = (1,),
-        lane: int = 0,
+        lane: int = 0, schedule: Sequence[int] | None = None,
     ) -> dict[str, float]:
         """Capture, before any traffic, the graphs of the steps that `r` streams in lockstep take through
         the chunk schedule, for every r in `rows` (with `bucket_shapes`, give the ROW_BUCKETS to cover).
@@ -302,6 +309,7 @@ class StreamingVocoder:
         sighting here. One length runs the whole schedule and its repeating last chunk; the others end
         so that the tail a finish computes takes every (bucketed) size it can take. Needs
         `use_cuda_graphs()`. `lane`: the lane whose graphs to capture (the streams still open on lane 0).
+        `schedule`: the chunk schedule the streams follow (None: `chunk_schedule_codes`).
         Returns the graphs captured, the steps run and the seconds it took.
         """
         if not self._graphed:
@@ -309,7 +317,10 @@ class StreamingVocoder:
         graphed = self._lanes[self._check_lane(lane)].graphed
         if not rows or min(rows) < 1 or not push_sizes or min(push_sizes) < 1:
             raise ValueError(f"rows and push_sizes must be non-empty and >= 1, got {rows}, {push_sizes}")
-        schedule = self.config.stream.chunk_schedule_codes
+        if schedule is not None and not self.is_low_latency:
+            raise ValueError("a warm-up schedule needs low latency")
+        schedule = tuple(schedule if schedule is not None else self.config.stream.chunk_schedule_codes)
+        open_schedule = schedule if self.is_low_latency else None
         # A finish integrates and vocodes the n codes after the last chunk's end (the lookahead plus up to
         # a chunk - 1): one tail per distinct (flow shape, BigVGAN window) that n gives.
         last_tail = LOOKAHEAD_CODES + schedule[-1] - 1
@@ -331,7 +342,7 @@ class StreamingVocoder:
                 self.close(self.open(voice, seed=cold_seed))
                 self._primed.pop((voice, cold_seed), None)
             for r, size, num_codes in itertools.product(sorted(set(rows)), push_sizes, lengths):
-                sessions = [self.open(voice, seed=seed) for _ in range(r)]
+                sessions = [self.open(voice, seed=seed, schedule=open_schedule) for _ in range(r)]
                 try:
                     for i in range(0, num_codes, size):
                         self.step([(s, codes[i : i + size]) for s in sessions], lane=lane)
@@ -410,22 +421,35 @@ class StreamingVocoder:
 
     # ---------------------------------------------------------------- sessions
 
-    def open(self, voice: str = "default", *, seed: int = 0, lane: int = 0) -> VocoderSession:
+    def open(
+        self, voice: str = "default", *, seed: int = 0, lane: int = 0, schedule: Sequence[int] | None = None
+    ) -> VocoderSession:
         """Start a stream conditioned on `voice`; noise is a function of (seed, frame) only."""
-        return self.open_many([(voice, seed)], lane=lane)[0]
+        return self.open_many([(voice, seed)], lane=lane, schedule=schedule)[0]
 
-    def open_many(self, specs: Sequence[tuple[str, int]], *, lane: int = 0) -> list[VocoderSession]:
+    def open_many(
+        self, specs: Sequence[tuple[str, int]], *, lane: int = 0, schedule: Sequence[int] | None = None
+    ) -> list[VocoderSession]:
         """Batched `open` for (voice, seed) pairs (extension of the contract): one priming forward.
 
         Priming (the flow over the voice's prompt codes) is a function of (voice, seed) alone, so its
         result is kept for the last `PRIMED_CACHE_SIZE` pairs and copied into the next session of the same
         pair instead of being computed again (`num_primed_hits` counts those). `lane`: where the priming
-        runs (`add_lane`).
+        runs (`add_lane`). `schedule` (low latency): the chunk sizes the sessions follow; None picks
+        `schedule_for_open(len(specs))`.
         """
         self._check_lane(lane)
         voices = [self.voices.get(name) for name, _ in specs]
         for _, seed in specs:
             check_seed(seed)
+        if schedule is None:
+            chosen = self.schedule_for_open(len(specs))
+        else:
+            chosen = tuple(int(size) for size in schedule)
+            if not self.is_low_latency or not chosen or min(chosen) < 1:
+                raise ValueError(f"a schedule needs low latency and sizes >= 1, got {schedule!r}")
+            if self.overlap_samples >= SAMPLES_PER_CODE * min(chosen):
+                raise ValueError(f"schedule {chosen} has a chunk no longer than the held overlap")
         if len(self._lanes) > 1 and self.pool.num_used + len(specs) > self.pool.capacity:
             self.reserve_sessions(2 * self.pool.capacity)  # grow while no lane runs, not inside `allocate`
         sessions = []
@@ -448,6 +472,7 @@ class StreamingVocoder:
                         mel_start=mel_start,
                         emitted_frames=_F * p,
                         lane=lane,
+                        schedule=chosen,
                     )
                 )
             with self._primed_lock:
@@ -507,15 +532,32 @@ class StreamingVocoder:
             session.is_closed = True
             self.pool.release(session.slot)
 
+    def schedule_for_open(self, num_new: int = 1) -> tuple[int, ...]:
+        """The chunk schedule of sessions opened now, `num_new` at once: the light-load one while the open
+        sessions, these included, stay within `light_load_max_sessions`, else `chunk_schedule_codes` (exact
+        mode: that too, unused)."""
+        stream = self.config.stream
+        light = stream.light_load_schedule_codes
+        if light is not None and self.num_open_sessions + num_new <= stream.light_load_max_sessions:
+            return tuple(light)
+        return tuple(stream.chunk_schedule_codes)
+
+    @property
+    def schedules(self) -> list[tuple[int, ...]]:
+        """The chunk schedules sessions may follow: the main one, then the light-load one if configured."""
+        stream = self.config.stream
+        light = stream.light_load_schedule_codes
+        return [tuple(stream.chunk_schedule_codes)] + ([tuple(light)] if light is not None else [])
+
     @property
     def codes_for_two_chunks(self) -> int:
         """Codes a stream must have before its second chunk can be computed (its first two chunks plus the
-        encoder lookahead and BigVGAN's right context): a producer should send these without delay."""
+        encoder lookahead and BigVGAN's right context), the most over the schedules: a producer should send
+        these without delay."""
         stream = self.config.stream
         right_codes = _codes_covering(self.right_context)
         if self.is_low_latency:
-            sizes = stream.chunk_schedule_codes
-            return LOOKAHEAD_CODES + right_codes + sizes[0] + sizes[min(1, len(sizes) - 1)]
+            return LOOKAHEAD_CODES + right_codes + max(s[0] + s[min(1, len(s) - 1)] for s in self.schedules)
         return LOOKAHEAD_CODES + right_codes + stream.first_chunk_codes + stream.chunk_codes
 
     @property
@@ -645,9 +687,7 @@ class StreamingVocoder:
         final_frames = _F * max(0, s.num_codes + extra_codes - LOOKAHEAD_CODES)
         stream = self.config.stream
         if self.is_low_latency:
-            return scheduled_chunk_ends(
-                s.emitted_frames, s.num_chunks, final_frames, stream.chunk_schedule_codes, self.right_context
-            )
+            return scheduled_chunk_ends(s.emitted_frames, s.num_chunks, final_frames, s.schedule, self.right_context)
         target = final_frames - self.right_context
         need = stream.first_chunk_codes if s.is_first_chunk_pending else stream.chunk_codes
         return [target] if target - s.emitted_frames >= _F * need else []
@@ -844,23 +884,35 @@ def build_for_serving(
     reserved_sessions: int = 0,
     warmup_rows: Sequence[int] = (),
     chunk_schedule_codes: Sequence[int] | None = None,
+    light_load_schedule_codes: Sequence[int] | None = None,
+    light_load_max_sessions: int = 1,
     fast_lane_code_budget: int | None = None,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
     """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
 
     `from_preset` kwargs build it (`chunk_schedule_codes` replaces the preset's low-latency chunk
-    schedule); then CUDA graphs (optionally with bucketed shapes), flow state for
-    `reserved_sessions`, the default voice's priming (seed 0), and a `warm_up` over `warmup_rows`.
+    schedule; `light_load_schedule_codes` and `light_load_max_sessions` set the light-load one, see
+    `StreamConfig`); then CUDA graphs (optionally with bucketed shapes), flow state for
+    `reserved_sessions`, the default voice's priming (seed 0), and a `warm_up` over `warmup_rows`, and
+    for the light-load schedule over those of them that light-load sessions alone can fill
+    (`bucket_rows(light_load_max_sessions)` at most: in a step with other sessions, a light-load chunk
+    pads to the main schedule's shapes).
     `fast_lane_code_budget`: a second lane at stream priority -1, above lane 0's (`add_lane`), for the batcher's
     fast lane, warmed up over the `warmup_rows` whose first chunks fit that budget.
-    Returns the vocoder and the warm-up's figures (empty without one; lanes' figures added up).
+    Returns the vocoder and the warm-up's figures (empty without one; lanes' and schedules' figures added up).
     """
     if (bucket_shapes or warmup_rows) and not cuda_graphs:
         raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
-    if chunk_schedule_codes is not None:
-        cfg = VocoderConfig.preset(preset)
-        stream = dataclasses.replace(cfg.stream, chunk_schedule_codes=tuple(chunk_schedule_codes))
+    if chunk_schedule_codes is not None or light_load_schedule_codes is not None:
+        cfg = from_preset.get("config") or VocoderConfig.preset(preset)
+        assert isinstance(cfg, VocoderConfig)
+        stream = cfg.stream
+        if chunk_schedule_codes is not None:
+            stream = dataclasses.replace(stream, chunk_schedule_codes=tuple(chunk_schedule_codes))
+        if light_load_schedule_codes is not None:
+            stream = dataclasses.replace(stream, light_load_schedule_codes=tuple(light_load_schedule_codes),
+                                         light_load_max_sessions=light_load_max_sessions)
         from_preset["config"] = dataclasses.replace(cfg, stream=stream)
     voc = StreamingVocoder.from_preset(preset, **from_preset)  # type: ignore[arg-type]
     if cuda_graphs:
@@ -868,13 +920,18 @@ def build_for_serving(
     if fast_lane_code_budget is not None:
         voc.add_lane(priority=-1)
     voc.reserve_sessions(reserved_sessions)
-    warm = voc.warm_up(warmup_rows) if warmup_rows else {}
     stream = voc.config.stream
-    first = stream.chunk_schedule_codes[0] if voc.is_low_latency else stream.first_chunk_codes
-    fast_rows = [r for r in warmup_rows if fast_lane_code_budget is not None and r * first <= fast_lane_code_budget]
-    if fast_rows:
-        fast = voc.warm_up(fast_rows, lane=1)
-        warm = {key: warm[key] + fast[key] for key in warm}
+    warm: dict[str, float] = {}
+    for index, schedule in enumerate(voc.schedules if voc.is_low_latency else [None]):
+        rows = list(warmup_rows)
+        if index:  # the light-load schedule: steps of light-load sessions alone
+            rows = [r for r in rows if r <= voc.bucket_rows(stream.light_load_max_sessions)]
+        first = schedule[0] if schedule is not None else stream.first_chunk_codes
+        fast_rows = [r for r in rows if fast_lane_code_budget is not None and r * first <= fast_lane_code_budget]
+        for lane, lane_rows in ((0, rows), (1, fast_rows)):
+            if lane_rows:
+                figures = voc.warm_up(lane_rows, lane=lane, schedule=schedule)
+                warm = {key: warm.get(key, 0) + value for key, value in figures.items()}
     voc.close(voc.open("default", seed=0))  # keeps the most common priming (warm_up's streams use it too)
     return voc, warm
 

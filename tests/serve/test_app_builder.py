@@ -90,6 +90,8 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [0]}, "vocoder_warmup_rows must all be >= 1"),
     ({"vocoder_reserved_sessions": -1}, "greater than or equal to 0"),
     ({"vocoder_chunk_schedule_codes": [3, 0]}, "vocoder_chunk_schedule_codes must be non-empty sizes >= 1"),
+    ({"vocoder_light_load_schedule_codes": []}, "vocoder_light_load_schedule_codes must be non-empty sizes >= 1"),
+    ({"vocoder_light_load_max_sessions": 0}, "greater than or equal to 1"),
     ({"vocoder_step_code_budget": 128, "vocoder_urgent_step_code_budget": 64},
      "vocoder_urgent_step_code_budget (64) must be at least vocoder_step_code_budget (128)"),
     ({"vocoder_fast_lane_code_budget": 32, "vocoder_batching": "fifo"},
