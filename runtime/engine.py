@@ -33,6 +33,8 @@ from runtime.tokenizer import Tokenizer
 from runtime.transfer import to_device
 
 logger = logging.getLogger(__name__)
+# What a request that ends on logits without a valid draw (NaN or infinite) is told.
+BROKEN_LOGITS_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20  # CPU has no "free device memory" to take a fraction of
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -251,6 +253,7 @@ class EngineCore:
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: _InFlight | None = None  # asynchronous steps: the step whose rows are not read yet
+        self.num_broken_logits = 0  # requests ended because their logits had no valid draw (NaN / inf)
         self.num_step_reruns = 0  # asynchronous steps run again (a row switched to text mode, or a redraw)
         self._wait_s = 0.0  # the latest `wait_in_flight`
 
@@ -283,13 +286,16 @@ class EngineCore:
         seq = self.scheduler.abort(request_id)
         return [] if seq is None else self._finish_events(seq)
 
+    def abort_with_error(self, request_id: str, message: str) -> list[tuple[str, Event]]:
+        """End a request with reason "error" and `message` (its blocks are free on return)."""
+        seq = self.scheduler.abort(request_id, "error", message)
+        return [] if seq is None else self._finish_events(seq)
+
     def fail_all(self, message: str) -> list[tuple[str, Event]]:
         """End every in-flight request with reason "error" (after an engine failure or at shutdown)."""
         events: list[tuple[str, Event]] = []
         for request_id in list(self.scheduler.seqs):
-            seq = self.scheduler.abort(request_id, "error", message)
-            assert seq is not None
-            events += self._finish_events(seq)
+            events += self.abort_with_error(request_id, message)
         self._in_flight = None
         return events
 
@@ -308,7 +314,7 @@ class EngineCore:
         self._timing = [scheduled - start, time.perf_counter() - scheduled]
         return events, out, inp
 
-    def run_model(self, inp: ModelInput) -> tuple[dict[str, Row], float]:
+    def run_model(self, inp: ModelInput) -> tuple[dict[str, Row | None], float]:
         """Forward and sample (no core state is touched: callers may run this without their lock)
         -> (sampled rows by request id, seconds)."""
         start = time.perf_counter()
@@ -319,11 +325,17 @@ class EngineCore:
         self._timing += [launched - start, done - launched]
         return sampled, done - start
 
-    def end_step(self, out: SchedulerOutput, sampled: dict[str, Row], step_s: float) -> list[tuple[str, Event]]:
-        """Record the step's results and return the events they produce, in batch order."""
+    def end_step(
+        self, out: SchedulerOutput, sampled: dict[str, Row | None], step_s: float
+    ) -> list[tuple[str, Event]]:
+        """Record the step's results and return the events they produce, in batch order (a request whose
+        row is None, logits without a valid draw, ends with an error first)."""
         start = time.perf_counter()
         _charge_step(out, step_s)
         events: list[tuple[str, Event]] = []
+        for request_id, row in sampled.items():
+            if row is None:
+                events += self._fail_broken_logits(request_id, len(sampled))
         for seq, row in self.scheduler.update(out, sampled):
             events += self._row_events(seq, row)
         if len(self._timing) == 4:
@@ -449,11 +461,27 @@ class EngineCore:
         for seq, row in zip(in_flight.seqs, rows, strict=True):
             if seq.is_finished:  # aborted meanwhile
                 continue
+            if row is None:  # logits without a valid draw: the request ends here
+                events += self._fail_broken_logits(seq.request_id, len(rows))
+                continue
             assert seq.rows[-1] is PENDING_ROW
             seq.rows[-1] = row
             self.scheduler.accept_row(seq, row)
             events += self._row_events(seq, row)
-        return events, rows, changed
+        # a failed request's row stands for what the device fed on (its next step is never read)
+        return events, [(MODALITY_PAD_ID, 0) if row is None else row for row in rows], changed
+
+    def _fail_broken_logits(self, request_id: str, num_sampled: int) -> list[tuple[str, Event]]:
+        """End a request whose logits had no valid draw (NaN or infinite), with reason "error"; the other
+        requests of the step go on. Logged, with where the request stood, for finding the values' origin."""
+        self.num_broken_logits += 1
+        seq = self.scheduler.seqs.get(request_id)
+        logger.error(
+            "non-finite logits for request %s (%s rows computed, %s generated) in a step sampling %d requests; "
+            "ending it with an error", request_id, None if seq is None else seq.num_computed_tokens,
+            None if seq is None else seq.num_generated, num_sampled,
+        )
+        return self.abort_with_error(request_id, BROKEN_LOGITS_MESSAGE)
 
     def stats(self) -> EngineStats:
         """Queue lengths, block usage and prefix-cache counters."""

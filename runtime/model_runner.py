@@ -173,8 +173,9 @@ class ModelRunner:
         return self._forward(inp, feed)
 
     @torch.inference_mode()
-    def sample(self, inp: ModelInput, logits: tuple[torch.Tensor | None, torch.Tensor]) -> dict[str, Row]:
-        """Sample the rows of `forward`'s logits (waits for the GPU when reading the sampled ids)."""
+    def sample(self, inp: ModelInput, logits: tuple[torch.Tensor | None, torch.Tensor]) -> dict[str, Row | None]:
+        """Sample the rows of `forward`'s logits (waits for the GPU when reading the sampled ids); None for a
+        request whose logits had no valid draw (`LaunchedRows.complete`)."""
         return dict(zip(inp.sample_request_ids, self.launch_sample(inp, logits).complete()[0], strict=True))
 
     @torch.inference_mode()

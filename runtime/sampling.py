@@ -234,9 +234,19 @@ def sample_next_rows(
     ``text_logits`` is ``[S, Vt]`` and ``audio_logits`` is ``[S, Va]`` (float, any device), row ``i`` belonging
     to ``samplers[i]``. ``text_logits`` may be None when no request samples in text mode (an audio-only step
     that skipped the text head): audio-mode rows never read them. The inputs are not modified. Each request's
-    result depends only on its own logits, state and seed, never on the rest of the batch.
+    result depends only on its own logits, state and seed, never on the rest of the batch. Raises
+    `NonFiniteLogitsError` when some row's logits have no valid draw (NaN or infinite largest value).
     """
-    return launch_next_rows(text_logits, audio_logits, samplers).complete()[0]
+    rows = launch_next_rows(text_logits, audio_logits, samplers).complete()[0]
+    broken = [i for i, row in enumerate(rows) if row is None]
+    if broken:
+        raise NonFiniteLogitsError(f"the logits of row(s) {broken} have a NaN or infinite largest value: "
+                                   f"nothing was sampled for them (the other rows were appended)")
+    return rows  # type: ignore[return-value]
+
+
+class NonFiniteLogitsError(ValueError):
+    """A row's logits had no valid draw (their largest value was NaN or infinite)."""
 
 
 @dataclass
@@ -261,15 +271,19 @@ class LaunchedRows:
         if self.ready is not None:
             self.ready.synchronize()
 
-    def complete(self) -> tuple[list[Row], bool]:
+    def complete(self) -> tuple[list[Row | None], bool]:
         """Read the ids (the step's one wait for the GPU), redraw channels whose ties reach past the top-k
         candidates, append each row to its sampler -> (rows, whether a redraw changed an id, which makes
-        ``next_tokens`` stale)."""
+        ``next_tokens`` stale). A request whose logits had no valid draw (NaN or infinite largest logit in
+        a channel it samples) gets None and its sampler is left as it was."""
         global num_full_sort_redraws
         self.wait()
         read = self.read.tolist()
-        picked, ties_read = read[: len(read) // 2], read[len(read) // 2 :]
+        n = len(read) // 3
+        picked, ties_read, broken_read = read[:n], read[n : 2 * n], read[2 * n :]
         num_seqs = len(self.samplers)
+        broken = {i for i in range(num_seqs) if broken_read[i]}
+        broken |= {i for i, flag in zip(self.text_rows, broken_read[num_seqs:], strict=True) if flag}
         changed = False
         start = 0
         for (ids, _), draw in zip(self.results, self.draws, strict=True):
@@ -283,7 +297,8 @@ class LaunchedRows:
         text_tokens = [MODALITY_PAD_ID] * num_seqs
         for i, token in zip(self.text_rows, picked[num_seqs:], strict=True):
             text_tokens[i] = token
-        rows = [s._append(t, a) for s, t, a in zip(self.samplers, text_tokens, picked[:num_seqs], strict=True)]
+        rows = [None if i in broken else s._append(t, a)
+                for i, (s, t, a) in enumerate(zip(self.samplers, text_tokens, picked[:num_seqs], strict=True))]
         return rows, changed
 
 
@@ -343,7 +358,9 @@ def launch_next_rows(
         draws.append((text, text_params, text_uniforms))
     results = [_sample_tokens(*draw) for draw in draws]  # ids [S] (audio), then [T] (text)
     flags = [torch.zeros_like(ids, dtype=torch.bool) if ties is None else ties for ids, ties in results]
-    read = torch.cat([ids for ids, _ in results] + flags)  # ids and each channel's ties_past_k flags
+    # a row whose largest logit is NaN or +-inf (amax propagates NaN) has no valid draw: flagged, not sampled
+    broken = [~torch.isfinite(logits.amax(dim=-1)) for logits, _, _ in draws]
+    read = torch.cat([ids for ids, _ in results] + flags + broken)  # ids, ties_past_k flags, broken flags
     ready = None
     if device.type == "cuda":
         host = torch.empty(read.shape, dtype=read.dtype, pin_memory=True)
@@ -479,6 +496,9 @@ def _sample_tokens(
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)  # [S]
     num_positive = (probs > 0).sum(dim=-1)  # [S]
     picked = torch.minimum(picked, num_positive - 1)  # guard against float rounding at the top
+    # A row without a finite logit has no positive probability (num_positive 0): keep its gather in bounds
+    # (an out-of-bounds index is a device-side assert that ends the process); `launch_next_rows` flags it.
+    picked = picked.clamp(min=0)
     sampled = sorted_ids.gather(1, picked.unsqueeze(1)).squeeze(1)  # [S]
     return torch.where(is_greedy, greedy, sampled), ties_past_k
 

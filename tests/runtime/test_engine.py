@@ -13,10 +13,18 @@ import pytest
 import torch
 
 from runtime.config import AUDIO_PAD_ID, EOSP_ID, IM_START_ID, MODALITY_PAD_ID, SOSP_ID, ModelConfig, Row
-from runtime.engine import Engine, EngineConfig, EngineCore, default_seed, num_kv_blocks
+from runtime.engine import (
+    BROKEN_LOGITS_MESSAGE,
+    Engine,
+    EngineConfig,
+    EngineCore,
+    default_seed,
+    num_kv_blocks,
+)
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache import kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
+from runtime.model_runner import ModelInput, RowFeed
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta
 from runtime.sampling import LaunchedRows, RequestSampler, SamplingParams, is_stop_row, sample_next_rows
 from runtime.sequence import PENDING_ROW, IncrementalDetokenizer, Sequence
@@ -569,4 +577,40 @@ def test_async_steps_abort_between_launch_and_read(model: MossSpeechForCausalLM)
     for i in (0, 2):
         assert generated(seqs[i]) == reference[i][0]
         assert codes[requests[i].request_id] == list(reference[i][1].audio_codes)
+    assert core.stats().num_blocks_used == 0
+
+
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_logits_without_a_valid_draw_end_that_request_only(model: MossSpeechForCausalLM, async_steps: bool) -> None:
+    """NaN audio logits for one request (as a numerical fault would give) end that request with an error
+    at that step, keep the rows it had, free its blocks and leave the others' rows the reference's; no
+    out-of-bounds index reaches the device (on a GPU that is an assert that ends the process)."""
+    rng = random.Random(34)
+    requests = [GenerationRequest(f"n{i}", prompt(rng, 5 + i, audio_out=True), GREEDY if i != 1 else HOT, GREEDY,
+                                  max_new_tokens=8, min_new_tokens=8) for i in range(3)]
+    reference = [reference_rows(model, request) for request in requests]
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps))
+    forward = core.runner.forward
+    poisoned: list[int] = []
+
+    def poison_n1(inp: ModelInput, feed: RowFeed | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        text, audio = forward(inp, feed)
+        seq = core.scheduler.seqs.get("n1")
+        if not poisoned and "n1" in inp.sample_request_ids and seq is not None and seq.num_generated >= 3:
+            poisoned.append(seq.num_generated)
+            row = int(inp.sample_indices[inp.sample_request_ids.index("n1")])
+            audio = audio.clone()
+            audio[row, 7] = math.nan
+        return text, audio
+
+    core.runner.forward = poison_n1  # type: ignore[method-assign]
+    seqs, events = run_core(core, {0: requests})
+    # the forward of n1's fourth row (three rows before it, the third still pending with async steps)
+    assert poisoned == [3]
+    assert generated(seqs["n1"]) == reference[1][0][:3]
+    assert events["n1"][-1] == Finished("error", 6, 3, 3, 0, BROKEN_LOGITS_MESSAGE)
+    assert core.num_broken_logits == 1
+    for i in (0, 2):
+        assert generated(seqs[f"n{i}"]) == reference[i][0]
+        check_events(events[f"n{i}"], reference[i][1], seqs[f"n{i}"], "length")
     assert core.stats().num_blocks_used == 0

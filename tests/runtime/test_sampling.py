@@ -492,3 +492,27 @@ def test_ties_beyond_the_margin_still_take_the_full_sort() -> None:
     _, ties = sampling._sample_tokens(logits, params, torch.tensor([0.99]))
     assert ties is not None and ties.tolist() == [True]
     assert sample_tokens(logits, params, torch.tensor([0.99])).item() == 1000 + int(0.99 * 200)
+
+
+@pytest.mark.parametrize("params", [PLAIN, SamplingParams(top_k=20, top_p=0.8), GREEDY], ids=["plain", "topk", "greedy"])
+def test_rows_whose_logits_have_no_valid_draw_are_flagged_not_sampled(params: SamplingParams) -> None:
+    # Audio-mode rows 0-3 and a text-mode row 4. Row 1's audio has a NaN, row 2's audio is -inf everywhere
+    # (nothing to draw), row 3's audio has +inf; row 4's text has a NaN (its audio is fine); row 0's text has a
+    # NaN, which an audio-mode row never reads. The clamped draw never indexes out of bounds (on a GPU that
+    # is an assert that ends the process); the flagged rows get None and their samplers do not move.
+    prompts = [AUDIO_PROMPT] * 4 + [TEXT_PROMPT]
+    samplers = [sampler(p, text=params, audio=params, seed=i) for i, p in enumerate(prompts)]
+    twins = [sampler(p, text=params, audio=params, seed=i) for i, p in enumerate(prompts)]
+    text = torch.randn(5, SMALL_TEXT_VOCAB, generator=torch.Generator().manual_seed(0))
+    audio = torch.randn(5, AUDIO_VOCAB, generator=torch.Generator().manual_seed(1))
+    text[0, 3] = text[4, 5] = math.nan
+    audio[1, 11] = math.nan
+    audio[2] = -math.inf
+    audio[3, 12] = math.inf
+    rows, changed = sampling.launch_next_rows(text, audio, samplers).complete()
+    assert rows[1:4] == [None, None, None] and rows[4] is None and not changed
+    assert [s.num_generated for s in samplers] == [1, 0, 0, 0, 0]
+    alone = sample_next_rows(text[:1].nan_to_num(0.0), audio[:1], twins[:1])  # row 0 as if alone and clean
+    assert rows[0] == alone[0] and rows[0][0] == MODALITY_PAD_ID
+    with pytest.raises(sampling.NonFiniteLogitsError, match=r"row\(s\) \[1\]"):
+        sample_next_rows(text[:2], audio[:2], twins[1:3])
