@@ -125,7 +125,8 @@ def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_setti
     assert vocoder == {"preset": "full", "device": "cuda", "dtype": "bfloat16", "seed": 0, "max_batch_size": 128,
                        "cuda_graphs": True, "triton_kernels": True, "bucket_shapes": True,
                        "warmup_rows": [1, 2, 4, 8, 16, 32, 48, 64], "reserved_sessions": 1024,
-                       "chunk_schedule_codes": [4, 5, 10, 25], "urgent_buffer_s": 0.5, "batching": "deadline",
+                       "chunk_schedule_codes": [4, 5, 10, 25], "light_load_schedule_codes": [2, 3, 5, 10, 25],
+                       "urgent_buffer_s": 0.5, "batching": "deadline",
                        "step_code_budget": 512, "fast_lane_code_budget": 32}
 
 
