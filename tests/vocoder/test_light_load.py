@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from streaming_helpers import NUM_CODES, SEED
+from streaming_helpers import NUM_CODES, SEED, run_staggered
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 from vocoder.config import StreamConfig
@@ -123,24 +123,8 @@ def test_warm_up_of_both_schedules_covers_traffic_that_mixes_them(codes: list[in
     before, generation = voc.graph_stats, voc.pool.generation
 
     def run(v: StreamingVocoder) -> tuple[list[np.ndarray], list[tuple[int, ...]]]:
-        starts, lengths = [0, 3, 9, 45], [NUM_CODES, 17, 21, 12]
-        sessions: dict[int, VocoderSession] = {}
-        out: dict[int, list[np.ndarray]] = {i: [] for i in range(4)}
-        for t in range(60):
-            work = []
-            for i in range(4):
-                if t == starts[i]:
-                    sessions[i] = v.open("default", seed=SEED + i)
-                k = t - starts[i]
-                if i in sessions and 0 <= k < lengths[i]:
-                    work.append((i, codes[k : k + 1]))
-            if work:
-                for (i, _), pcm in zip(work, v.step([(sessions[i], c) for i, c in work]), strict=True):
-                    out[i].append(pcm)
-            done = [i for i in range(4) if i in sessions and t - starts[i] == lengths[i]]
-            for i, tail in zip(done, v.finish_many([sessions[i] for i in done]), strict=True):
-                out[i].append(tail)
-        return [np.concatenate(out[i]) for i in range(4)], [sessions[i].schedule for i in range(4)]
+        pcms, sessions = run_staggered(v, codes, [0, 3, 9, 45], [NUM_CODES, 17, 21, 12], 60)
+        return pcms, [s.schedule for s in sessions]  # type: ignore[attr-defined]
 
     graphed, picked = run(voc)
     eager, eager_picked = run(StreamingVocoder.from_preset("tiny", config=light_config()))

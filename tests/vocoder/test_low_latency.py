@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from streaming_helpers import NUM_CODES, SEED, stream
+from streaming_helpers import NUM_CODES, SEED, run_staggered, stream
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 
@@ -294,24 +294,7 @@ def test_warm_up_captures_every_shape_of_later_staggered_streams(codes: list[int
     before, generation = voc.graph_stats, voc.pool.generation
 
     def run(v: StreamingVocoder) -> list[np.ndarray]:
-        starts, lengths = [0, 3, 9], [NUM_CODES, 17, 21]
-        sessions: dict[int, object] = {}
-        out: dict[int, list[np.ndarray]] = {i: [] for i in range(3)}
-        for t in range(40):
-            work = []
-            for i in range(3):
-                if t == starts[i]:
-                    sessions[i] = v.open("default", seed=SEED + i)
-                k = t - starts[i]
-                if i in sessions and 0 <= k < lengths[i]:
-                    work.append((i, codes[k : k + 1]))
-            if work:
-                for (i, _), pcm in zip(work, v.step([(sessions[i], c) for i, c in work]), strict=True):
-                    out[i].append(pcm)
-            done = [i for i in range(3) if i in sessions and t - starts[i] == lengths[i]]
-            for i, tail in zip(done, v.finish_many([sessions[i] for i in done]), strict=True):
-                out[i].append(tail)
-        return [np.concatenate(out[i]) for i in range(3)]
+        return run_staggered(v, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
 
     graphed = run(voc)
     eager = run(StreamingVocoder.from_preset("tiny"))
