@@ -468,7 +468,8 @@ class EngineCore:
             seq.rows[-1] = row
             self.scheduler.accept_row(seq, row)
             events += self._row_events(seq, row)
-        # a failed request's row stands for what the device fed on (its next step is never read)
+        # a failed request has no row; a placeholder keeps the list aligned with the fed step's rows (that
+        # request is finished, so a rerun of the step computes nothing anyone reads for it)
         return events, [(MODALITY_PAD_ID, 0) if row is None else row for row in rows], changed
 
     def _fail_broken_logits(self, request_id: str, num_sampled: int) -> list[tuple[str, Event]]:

@@ -536,11 +536,10 @@ class StreamingVocoder:
         """The chunk schedule of sessions opened now, `num_new` at once: the light-load one while the open
         sessions, these included, stay within `light_load_max_sessions`, else `chunk_schedule_codes` (exact
         mode: that too, unused)."""
-        stream = self.config.stream
-        light = stream.light_load_schedule_codes
-        if light is not None and self.num_open_sessions + num_new <= stream.light_load_max_sessions:
-            return tuple(light)
-        return tuple(stream.chunk_schedule_codes)
+        main, *light = self.schedules
+        if light and self.num_open_sessions + num_new <= self.config.stream.light_load_max_sessions:
+            return light[0]
+        return main
 
     @property
     def schedules(self) -> list[tuple[int, ...]]:
