@@ -18,11 +18,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
 from runtime.errors import EngineError, InvalidRequestError
+from runtime.fp8 import Weight
+from runtime.fused import FusedWeights
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from runtime.matmul_check import distinct_matrices, verify_products
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 from runtime.model_runner import ModelInput, ModelRunner, RowFeed
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, validate_request
@@ -69,6 +73,9 @@ class EngineConfig:
     # Real-time pacing: seconds of audio a stream may run ahead of real time (None: as fast as possible).
     # See SchedulerConfig.pacing_lead_codes and docs/engine.md.
     pacing_lead_s: float | None = None
+    # Multiply each distinct matrix of the model at a few row counts and compare with float32 before serving;
+    # a wrong product stops the engine (runtime/matmul_check.py). None: on CUDA only.
+    check_matmuls: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -204,6 +211,17 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     return min(num_blocks, useful)
 
 
+def _model_matrices(model: MossSpeechForCausalLM, weights: FusedWeights | None) -> dict[str, Weight]:
+    """One matrix per distinct product the model's steps run: the fused ones on the fast path, else the
+    plain model's linear layers."""
+    if weights is None:
+        return distinct_matrices((name, m.weight) for name, m in model.named_modules() if isinstance(m, nn.Linear))
+    layers = [(f"{kind}.{i}.{name}", w) for kind, group in (("shared", weights.shared), ("text", weights.text),
+                                                             ("audio", weights.audio))
+              for i, layer in enumerate(group) for name, w in layer.matrices().items()]
+    return distinct_matrices([*layers, ("text_head", weights.text_head), ("audio_head", weights.audio_head)])
+
+
 def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
     """A preset with random weights (deterministic in `weights_seed`, byte-level tokenizer) or a checkpoint."""
     if config.model in _PRESETS:
@@ -237,6 +255,11 @@ class EngineCore:
 
             weights = (quantize_model_in_place(model, config.fp8_scope) if config.fp8_scope is not None
                        else fuse_model_weights(model))
+        if config.check_matmuls or (config.check_matmuls is None and device.type == "cuda"):
+            started = time.perf_counter()
+            checks = verify_products(_model_matrices(model, weights), dtype=config.torch_dtype)
+            logger.info("matrix products checked: %d right in %.2f s, largest relative error %.3g", len(checks),
+                        time.perf_counter() - started, max((c.rel_err for c in checks), default=0.0))
         kv_cache = allocate_kv_cache(
             model_config, num_kv_blocks(config, model_config), config.block_size, device, config.torch_dtype
         )

@@ -1,0 +1,113 @@
+"""A start-up check that the device's matrix products give right answers for this model's matrices.
+
+Found on the H200 (docs/operations.md, bench/results/matmul-mps-h200/): under NVIDIA MPS with
+`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=75` the process sees 98 SMs and PyTorch's bf16 products through cuBLAS
+and cuBLASLt return garbage (NaN, or values unrelated to the inputs) for most of the engine's shapes, with
+no error raised; at 50 % and without MPS they are right. The engine then served every request's first
+mixed prefill step with NaN logits. So before serving, each distinct matrix of the model is multiplied by
+random activations at a few row counts through the engine's own `linear` and compared with a float32
+product; a wrong answer stops the engine with a message that names the product, instead of serving noise.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime import fp8
+from runtime.fp8 import Fp8Weight, Weight
+
+# Row counts checked: a few decode batches and mixed / prefill steps (an uneven one among them).
+CHECK_ROWS = (2, 16, 64, 128, 513, 1024)
+# Relative error (max |y - ref| / max |ref|) above which a product is wrong. Rounding stays far below it
+# (bf16 ~3e-3, FP8 weights and activations ~3e-2 on random data); a product that did not run gives ~1 or NaN.
+TOLERANCE = 0.25
+_REF_CHUNK = 8192  # output channels per float32 reference block (no whole float32 copy of a head)
+
+
+class MatmulCheckError(RuntimeError):
+    """The device computed a product of this model's matrices wrongly."""
+
+
+@dataclass(frozen=True)
+class ProductCheck:
+    """One product's outcome: `name` [out, in] times `rows` activation rows."""
+
+    name: str
+    rows: int
+    out_features: int
+    in_features: int
+    nonfinite: int  # outputs that are NaN or infinite
+    rel_err: float  # over the finite outputs
+
+    @property
+    def ok(self) -> bool:
+        return self.nonfinite == 0 and self.rel_err <= TOLERANCE
+
+    def describe(self) -> str:
+        return (f"{self.name} [{self.rows} x {self.in_features}] @ [{self.in_features} x {self.out_features}]: "
+                f"{self.nonfinite} non-finite outputs, relative error {self.rel_err:.3g}")
+
+
+def _reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w.T in float32, a block of output channels at a time."""
+    x32 = x.float()
+    matrix = w.weight if isinstance(w, Fp8Weight) else w
+    blocks = []
+    for start in range(0, matrix.shape[0], _REF_CHUNK):
+        block = matrix[start : start + _REF_CHUNK].float()
+        if isinstance(w, Fp8Weight):
+            block = block * w.scale[start : start + _REF_CHUNK, None]
+        blocks.append(x32 @ block.T)
+    return torch.cat(blocks, dim=1)
+
+
+def check_products(
+    matrices: Mapping[str, Weight], rows: Sequence[int] = CHECK_ROWS, *, dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> list[ProductCheck]:
+    """Each matrix times normal(0, 1) activations of each row count, through `runtime.fp8.linear` (the
+    fast path's product), against float32."""
+    out: list[ProductCheck] = []
+    for name, w in matrices.items():
+        n, k = w.shape
+        device = (w.weight if isinstance(w, Fp8Weight) else w).device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+            y = fp8.linear(x, w).float()
+            ref = _reference(x, w)
+            bad = ~torch.isfinite(y)
+            scale = ref.abs().max().clamp(min=1e-30)
+            err = float(((y - ref).abs().masked_fill(bad, 0).max() / scale).item())
+            out.append(ProductCheck(name, m, n, k, int(bad.sum().item()), err))
+    return out
+
+
+def distinct_matrices(named: Iterable[tuple[str, Weight]]) -> dict[str, Weight]:
+    """The first matrix of each (shape, kind) among `named`: one per product the device has to get right."""
+    seen: dict[tuple[object, ...], str] = {}
+    out: dict[str, Weight] = {}
+    for name, w in named:
+        key = (tuple(w.shape), isinstance(w, Fp8Weight), (w.weight if isinstance(w, Fp8Weight) else w).dtype)
+        if key not in seen:
+            seen[key] = name
+            out[name] = w
+    return out
+
+
+def verify_products(matrices: Mapping[str, Weight], rows: Sequence[int] = CHECK_ROWS, *,
+                    dtype: torch.dtype = torch.bfloat16) -> list[ProductCheck]:
+    """`check_products`; raises MatmulCheckError naming every wrong product (returns the checks if all are
+    right)."""
+    checks = check_products(matrices, rows, dtype=dtype)
+    wrong = [c for c in checks if not c.ok]
+    if wrong:
+        lines = "; ".join(c.describe() for c in wrong[:8])
+        more = f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""
+        raise MatmulCheckError(
+            f"{len(wrong)} of {len(checks)} matrix products on this device were wrong: {lines}{more}. "
+            "The engine will not serve with them. Under NVIDIA MPS, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=75 did "
+            "this on an H200 (docs/operations.md); choose another share of the SMs or run without MPS.")
+    return checks
