@@ -51,6 +51,8 @@ def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.fast_path is not None:
         kwargs["fast_path"] = args.fast_path
+    if getattr(args, "check_matmuls", None) is not None:
+        kwargs["check_matmuls"] = args.check_matmuls
     if kwargs["model"] == "full" and not args.random_weights:
         raise SystemExit("the 'full' preset has random weights: pass --random-weights to say you mean it")
     return EngineCore.from_config(EngineConfig(**kwargs)), kwargs
