@@ -73,6 +73,10 @@ class EngineConfig:
     # Real-time pacing: seconds of audio a stream may run ahead of real time (None: as fast as possible).
     # See SchedulerConfig.pacing_lead_codes and docs/engine.md.
     pacing_lead_s: float | None = None
+    # First-audio hold: see SchedulerConfig.first_audio_hold_* and docs/engine.md (None: off).
+    first_audio_hold_codes: int | None = None
+    first_audio_hold_s: float = 0.025
+    first_audio_hold_max_running: int = 1
     # Multiply each distinct matrix of the model at a few row counts and compare with float32 before serving;
     # a wrong product stops the engine (runtime/matmul_check.py). None: on CUDA only.
     check_matmuls: bool | None = None
@@ -111,6 +115,8 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             queue_timeout_s=self.queue_timeout_s,
             pacing_lead_codes=None if self.pacing_lead_s is None else math.ceil(self.pacing_lead_s * CODES_PER_SECOND),
+            first_audio_hold_codes=self.first_audio_hold_codes, first_audio_hold_s=self.first_audio_hold_s,
+            first_audio_hold_max_running=self.first_audio_hold_max_running,
         )
 
 

@@ -41,6 +41,13 @@ class SchedulerConfig:
     # batch refills in bursts, and the GPU is left to the vocoder (and prefills) in between.
     pacing_lead_codes: int | None = None
     pacing_codes_per_s: float = CODES_PER_SECOND
+    # First-audio hold (None: off). When a sequence's audio code number `first_audio_hold_codes` is
+    # accepted while at most `first_audio_hold_max_running` sequences run, its decode rows wait
+    # `first_audio_hold_s`, so the vocoder makes that stream's first chunk on a GPU the LLM leaves idle (a
+    # lone stream is far ahead of real time then). Other sequences, prefills included, are not held.
+    first_audio_hold_codes: int | None = None
+    first_audio_hold_s: float = 0.025
+    first_audio_hold_max_running: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_running", "max_num_waiting", "max_num_batched_tokens", "max_model_len"):
@@ -52,6 +59,12 @@ class SchedulerConfig:
             raise ValueError(f"pacing_lead_codes must be >= 1 or None, got {self.pacing_lead_codes}")
         if not self.pacing_codes_per_s > 0:
             raise ValueError(f"pacing_codes_per_s must be > 0, got {self.pacing_codes_per_s}")
+        if self.first_audio_hold_codes is not None and self.first_audio_hold_codes < 1:
+            raise ValueError(f"first_audio_hold_codes must be >= 1 or None, got {self.first_audio_hold_codes}")
+        if not 0 < self.first_audio_hold_s <= 1:
+            raise ValueError(f"first_audio_hold_s must be in (0, 1], got {self.first_audio_hold_s}")
+        if self.first_audio_hold_max_running < 1:
+            raise ValueError(f"first_audio_hold_max_running must be >= 1, got {self.first_audio_hold_max_running}")
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,8 @@ class Scheduler:
                     continue  # preempted earlier in this loop, or not this pass
                 if decoding and lead is not None and (not wake or self._lead(seq, now) >= 1.5 * lead):
                     continue  # paced: far enough ahead of real time
+                if decoding and seq.hold_until is not None and now < seq.hold_until:
+                    continue  # first-audio hold
                 if decoding and seq.num_generated >= seq.request.max_new_tokens:
                     continue  # its last row is still being sampled (asynchronous steps): it ends then
                 num_tokens = min(seq.num_uncomputed, budget)
@@ -203,21 +218,31 @@ class Scheduler:
         PENDING_ROW): note the first audio code, finish a sequence that stops or reaches its length."""
         if seq.first_code_time is None and seq.sampler.audio_codes:
             seq.first_code_time = self.clock()
+        hold = self.config.first_audio_hold_codes
+        if (hold is not None and seq.hold_until is None and len(seq.sampler.audio_codes) == hold
+                and len(self.running) <= self.config.first_audio_hold_max_running):  # (at that code only)
+            seq.hold_until = self.clock() + self.config.first_audio_hold_s
         if is_stop_row(row):
             self._finish(seq, "stop")
         elif seq.num_generated >= seq.request.max_new_tokens:
             self._finish(seq, "length")
 
     def next_due_in(self) -> float | None:
-        """Seconds until pacing lets a decode step run again (None: pacing holds nothing back)."""
+        """Seconds until pacing or a first-audio hold lets a decode step run again (None: neither holds
+        anything back)."""
         lead = self.config.pacing_lead_codes
-        if lead is None or not self.running:
-            return None
         now, rate = self.clock(), self.config.pacing_codes_per_s
-        leads = [self._lead(seq, now) for seq in self.running]
-        if self.waiting or min(leads) < lead or any(s.num_uncomputed != 1 for s in self.running):
+        held = [seq.hold_until - now for seq in self.running if seq.hold_until is not None and now < seq.hold_until]
+        if not self.running or (lead is None and not held):
+            return None
+        if self.waiting or any(s.num_uncomputed != 1 for s in self.running):
             return 0.0
-        return (min(leads) - lead) / rate  # the lead falls by `rate` codes per second
+        free = [seq for seq in self.running if seq.hold_until is None or now >= seq.hold_until]
+        if free and lead is None:
+            return 0.0
+        # the lead falls by `rate` codes per second
+        paced = [max(0.0, (self._lead(seq, now) - lead) / rate) for seq in free] if lead is not None else []
+        return min(held + paced)
 
     def _lead(self, seq: Sequence, now: float) -> float:
         """Codes `seq` is ahead of real time since its first code (-inf before it has one)."""

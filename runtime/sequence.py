@@ -54,6 +54,7 @@ class Sequence:
         self.arrival_index = arrival_index  # global admission order tie-breaker
         self.enqueue_time = arrival_time  # when it last entered the waiting queue
         self.first_code_time: float | None = None  # scheduler clock at its first audio code (pacing)
+        self.hold_until: float | None = None  # scheduler clock until which its decoding waits (first-audio hold)
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         # Wall time of the steps this sequence took part in (the engine's own step timings).

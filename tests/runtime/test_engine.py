@@ -614,3 +614,26 @@ def test_logits_without_a_valid_draw_end_that_request_only(model: MossSpeechForC
         assert generated(seqs[f"n{i}"]) == reference[i][0]
         check_events(events[f"n{i}"], reference[i][1], seqs[f"n{i}"], "length")
     assert core.stats().num_blocks_used == 0
+
+
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_first_audio_hold_pauses_decoding_and_changes_no_row(model: MossSpeechForCausalLM, async_steps: bool) -> None:
+    # Hold after code 2. Asynchronous steps have the step computing code 3 on the GPU when code 2 is read,
+    # so they stop after code 3; synchronous ones after code 2. Then nothing runs until the clock passes the
+    # hold, and the rows are the reference's.
+    request = GenerationRequest("r", prompt(random.Random(1), 11, audio_out=True), GREEDY, GREEDY, max_new_tokens=9)
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps, first_audio_hold_codes=2,
+                                                             first_audio_hold_s=0.5))
+    now = [1000.0]
+    core.scheduler.clock = lambda: now[0]
+    seq = core.add_request(request)
+    codes: list[int] = []
+    for _ in range(12):
+        codes += [c for _, e in core.step() if isinstance(e, AudioCodes) for c in e.codes]
+    assert len(codes) == (3 if async_steps else 2) and seq.hold_until == 1000.5
+    assert core.scheduler.next_due_in() == 0.5 and not core.has_work_in_flight
+    now[0] += 0.5
+    while core.has_work:
+        codes += [c for _, e in core.step() if isinstance(e, AudioCodes) for c in e.codes]
+    ref, sampler = reference_rows(model, request)
+    assert generated(seq) == ref and codes == list(sampler.audio_codes)

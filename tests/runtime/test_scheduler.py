@@ -259,3 +259,64 @@ def test_pacing_config_is_validated_and_derived_from_seconds() -> None:
     assert EngineConfig(pacing_lead_s=0.5).scheduler_config().pacing_lead_codes == 7  # ceil(6.25)
     assert EngineConfig().scheduler_config().pacing_lead_codes is None
     assert make_scheduler(pacing_lead_codes=4).next_due_in() is None  # nothing running
+
+
+def test_first_audio_hold_pauses_a_lone_stream_after_its_nth_code() -> None:
+    # hold after code 3 for 0.02 s while at most one sequence runs
+    clock = FakeClock()
+    sched = make_scheduler(clock=clock, first_audio_hold_codes=3, first_audio_hold_s=0.02)
+    a = make_seq("a", 3, max_new_tokens=50)
+    sched.add(a)
+    feed_codes(sched, sched.schedule())  # prompt: code 1
+    for k in range(2):  # codes 2, 3
+        out = sched.schedule()
+        assert layout(out) == [("a", 3 + k, 1, True)]
+        feed_codes(sched, out)
+    assert len(a.sampler.audio_codes) == 3 and a.hold_until == pytest.approx(100.02)
+    assert sched.schedule().is_empty and sched.next_due_in() == pytest.approx(0.02)
+    clock.now += 0.015
+    assert sched.schedule().is_empty and sched.next_due_in() == pytest.approx(0.005)
+    # a prefill arriving meanwhile runs; the held stream does not ride along
+    b = make_seq("b", 4, max_new_tokens=50, first=40)
+    sched.add(b)
+    assert sched.next_due_in() == 0.0
+    out = sched.schedule()
+    assert layout(out) == [("b", 0, 4, True)]
+    feed_codes(sched, out)  # b's code 1 with two sequences running
+    assert layout(sched.schedule()) == [("b", 4, 1, True)]
+    clock.now += 0.005  # the hold is over
+    out = sched.schedule()
+    assert layout(out) == [("a", 5, 1, True), ("b", 4, 1, True)]  # (b's last row was not fed back above)
+
+
+def test_first_audio_hold_skips_streams_that_are_not_alone_and_holds_once() -> None:
+    clock = FakeClock()
+    sched = make_scheduler(clock=clock, first_audio_hold_codes=2, first_audio_hold_s=0.02)
+    a, b = make_seq("a", 3, max_new_tokens=50), make_seq("b", 3, max_new_tokens=50, first=30)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(4):  # both decode together: two running, so neither is held
+        feed_codes(sched, sched.schedule())
+    assert a.hold_until is None and b.hold_until is None and len(a.sampler.audio_codes) == 4
+    assert sched.next_due_in() is None
+    sched.abort("b")
+    for _ in range(3):  # a alone now, but past its second code: no hold
+        out = sched.schedule()
+        assert [c.seq.request_id for c in out.chunks] == ["a"]
+        feed_codes(sched, out)
+    assert a.hold_until is None
+
+
+def test_first_audio_hold_config_is_validated_and_passed_on() -> None:
+    from runtime.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="first_audio_hold_codes must be >= 1"):
+        SchedulerConfig(first_audio_hold_codes=0)
+    with pytest.raises(ValueError, match=r"first_audio_hold_s must be in \(0, 1\]"):
+        EngineConfig(first_audio_hold_codes=4, first_audio_hold_s=0.0)
+    with pytest.raises(ValueError, match="first_audio_hold_max_running must be >= 1"):
+        EngineConfig(first_audio_hold_max_running=0)
+    config = EngineConfig(first_audio_hold_codes=4, first_audio_hold_s=0.03, first_audio_hold_max_running=2)
+    scheduler = config.scheduler_config()
+    assert (scheduler.first_audio_hold_codes, scheduler.first_audio_hold_s, scheduler.first_audio_hold_max_running) == (4, 0.03, 2)
+    assert EngineConfig().scheduler_config().first_audio_hold_codes is None
