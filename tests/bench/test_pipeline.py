@@ -122,6 +122,10 @@ def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_setti
         check_gpus(app_args, gpus_available=0.0)
     engine, vocoder = settings_from_config(str(path))
     assert engine == app_args.engine and engine["model"] == "full" and engine["device"] == "cuda"
+    # the first-audio hold starts at the code before the last one the light-load first chunk needs (its codes
+    # + 3 of lookahead): with asynchronous steps that last code is already on the GPU then
+    first_chunk_codes = app_args.vocoder_light_load_schedule_codes[0] + 3
+    assert (engine["first_audio_hold_codes"], engine["first_audio_hold_s"]) == (first_chunk_codes - 1, 0.03)
     assert vocoder == {"preset": "full", "device": "cuda", "dtype": "bfloat16", "seed": 0, "max_batch_size": 128,
                        "cuda_graphs": True, "triton_kernels": True, "bucket_shapes": True,
                        "warmup_rows": [1, 2, 4, 8, 16, 32, 48, 64], "reserved_sessions": 1024,
