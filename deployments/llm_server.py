@@ -61,6 +61,10 @@ class LLMServer:
         from runtime.engine import Engine, EngineConfig
 
         self._engine = Engine.from_config(EngineConfig(**engine_kwargs))
+        checks = self._engine.core.matmul_checks
+        if checks:  # (a wrong product raised MatmulCheckError above: this replica never starts then)
+            logger.info("matrix products checked before serving: %d right, largest relative error %.3g",
+                        len(checks), max(c.rel_err for c in checks))
         self._metrics = LLMMetrics.create()
         self._ttfa = RecentWindow(window_s=60.0)
         self._seen_queries = 0

@@ -26,7 +26,7 @@ from runtime.errors import EngineError, InvalidRequestError
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
-from runtime.matmul_check import distinct_matrices, verify_products
+from runtime.matmul_check import ProductCheck, distinct_matrices, verify_products
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 from runtime.model_runner import ModelInput, ModelRunner, RowFeed
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, validate_request
@@ -261,11 +261,13 @@ class EngineCore:
 
             weights = (quantize_model_in_place(model, config.fp8_scope) if config.fp8_scope is not None
                        else fuse_model_weights(model))
+        self.matmul_checks: list[ProductCheck] = []  # the start-up check's products (empty: it did not run)
         if config.check_matmuls or (config.check_matmuls is None and device.type == "cuda"):
             started = time.perf_counter()
-            checks = verify_products(_model_matrices(model, weights), dtype=config.torch_dtype)
-            logger.info("matrix products checked: %d right in %.2f s, largest relative error %.3g", len(checks),
-                        time.perf_counter() - started, max((c.rel_err for c in checks), default=0.0))
+            self.matmul_checks = verify_products(_model_matrices(model, weights), dtype=config.torch_dtype)
+            logger.info("matrix products checked: %d right in %.2f s, largest relative error %.3g",
+                        len(self.matmul_checks), time.perf_counter() - started,
+                        max((c.rel_err for c in self.matmul_checks), default=0.0))
         kv_cache = allocate_kv_cache(
             model_config, num_kv_blocks(config, model_config), config.block_size, device, config.torch_dtype
         )

@@ -12,6 +12,7 @@ from runtime.fused import fuse_model_weights
 from runtime.matmul_check import (
     CHECK_ROWS,
     MatmulCheckError,
+    ProductCheck,
     check_products,
     distinct_matrices,
     verify_products,
@@ -93,8 +94,9 @@ def test_the_engine_refuses_to_start_on_wrong_products(monkeypatch) -> None:
 
 def test_the_check_runs_on_cuda_by_default_only(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(runtime.engine, "verify_products", lambda *a, **k: calls.append(a) or [])
-    EngineCore.from_config(EngineConfig())  # CPU, check_matmuls None
+    checked = [ProductCheck("qkv", 2, 128, 64, 0, 0.0)]
+    monkeypatch.setattr(runtime.engine, "verify_products", lambda *a, **k: calls.append(a) or checked)
+    assert EngineCore.from_config(EngineConfig()).matmul_checks == []  # CPU, check_matmuls None
     assert calls == []
-    EngineCore.from_config(EngineConfig(check_matmuls=True))
+    assert EngineCore.from_config(EngineConfig(check_matmuls=True)).matmul_checks == checked
     assert len(calls) == 1 and len(calls[0][0]) == 6
