@@ -51,7 +51,7 @@ def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.fast_path is not None:
         kwargs["fast_path"] = args.fast_path
-    if getattr(args, "check_matmuls", None) is not None:
+    if args.check_matmuls is not None:
         kwargs["check_matmuls"] = args.check_matmuls
     if kwargs["model"] == "full" and not args.random_weights:
         raise SystemExit("the 'full' preset has random weights: pass --random-weights to say you mean it")
@@ -271,9 +271,8 @@ def time_bare_decode(core: EngineCore, batch_sizes: list[int], reps: int) -> dic
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The options `build_core` reads: a Serve YAML's engine settings and command-line overrides."""
     p.add_argument("--config", default=None, help="Serve YAML to take the engine settings from")
     p.add_argument("--preset", choices=("tiny", "full"), default="tiny")
     p.add_argument("--random-weights", action="store_true", help="required with --preset full")
@@ -283,6 +282,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--check-matmuls", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's start-up check of its matrix products (default: on CUDA)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--requests", default=None, help="requests per level: N or one per level (default 2 x c)")
     p.add_argument("--prompt-tokens", type=int, default=128)

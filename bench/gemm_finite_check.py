@@ -11,7 +11,6 @@ reference's max abs, and the first non-finite row. Both BLAS libraries are check
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -19,6 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fast_tools import emit
 
 # (name, out features, in features) of the full preset's products (runtime/fused.py shapes)
 MATRICES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
@@ -84,10 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary["kernels"] = kernel_names()
     bad = [r for r in summary["results"] if r["nonfinite"] or r["rel_err"] > 0.02]
     summary["failures"] = bad
-    line = json.dumps(summary)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    emit(summary, None if args.out is None else Path(args.out))
     return summary
 
 

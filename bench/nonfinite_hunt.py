@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import shlex
@@ -33,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.engine_loop import build_core
+from bench.engine_loop import add_engine_args, build_core
+from bench.fast_tools import emit
 from bench.measure import speech_prompt_text
 from bench.pipeline import speech_request
 from runtime.block_manager import BlockManager
@@ -164,17 +164,7 @@ def run_variant(core: EngineCore, variant: str, make_request: Any, arrivals: int
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="Serve YAML to take the engine settings from")
-    p.add_argument("--preset", choices=("tiny", "full"), default="tiny")
-    p.add_argument("--random-weights", action="store_true", help="required with --preset full")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--max-num-running", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--check-matmuls", action=argparse.BooleanOptionalAction, default=None,
-                   help="the engine's start-up check of its matrix products (default: on CUDA)")
+    add_engine_args(p)
     p.add_argument("--arrivals", type=int, default=16)
     p.add_argument("--interval-ms", type=float, default=130.0)
     p.add_argument("--prompt-tokens", type=int, default=512)
@@ -203,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         core, engine_kwargs = build_core(args)
     except MatmulCheckError as exc:  # the engine refused to start: that is the result
         summary["refused"] = str(exc)
-        return _emit(summary, args.out)
+        emit(summary, None if args.out is None else Path(args.out))
+        return summary
     ids = iter(range(10**6))
 
     def make_request() -> Any:
@@ -216,15 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for variant in variants:
         summary["variants"].append(run_variant(core, variant, make_request, args.arrivals,
                                                args.interval_ms / 1e3, args.timeout_s))
-    return _emit(summary, args.out)
-
-
-def _emit(summary: dict[str, Any], out: str | None) -> dict[str, Any]:
-    """Print the summary as one JSON line (and write it to `out`); returns it."""
-    line = json.dumps(summary, default=str)
-    print(line)
-    if out:
-        Path(out).write_text(line + "\n")
+    emit(summary, None if args.out is None else Path(args.out))
     return summary
 
 
