@@ -265,6 +265,8 @@ class EngineCore:
         if config.check_matmuls or (config.check_matmuls is None and device.type == "cuda"):
             started = time.perf_counter()
             self.matmul_checks = verify_products(_model_matrices(model, weights), dtype=config.torch_dtype)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # its temporaries must not shrink the KV pool sized from free memory
             logger.info("matrix products checked: %d right in %.2f s, largest relative error %.3g",
                         len(self.matmul_checks), time.perf_counter() - started,
                         max((c.rel_err for c in self.matmul_checks), default=0.0))
