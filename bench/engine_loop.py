@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_args(p)
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--requests", default=None, help="requests per level: N or one per level (default 2 x c)")
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--sync", action="store_true", help="wait for the GPU after each forward launch")
     p.add_argument("--bare-reps", type=int, default=20)
