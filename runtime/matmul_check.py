@@ -1,9 +1,9 @@
 """A start-up check that the device's matrix products give right answers for this model's matrices.
 
 Found on the H200 (docs/operations.md, bench/results/matmul-mps-h200/): under NVIDIA MPS with
-`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=75` the process sees 98 SMs and PyTorch's bf16 products through cuBLAS
-and cuBLASLt return garbage (NaN, or values unrelated to the inputs) for most of the engine's shapes, with
-no error raised; at 50 % and without MPS they are right. The engine then served every request's first
+`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` 60-80 the process sees 78-104 SMs and PyTorch's bf16 products through
+cuBLAS and cuBLASLt return garbage (NaN, or values unrelated to the inputs) for many of the engine's shapes
+(at 75 %: most), with no error raised; at 25, 50 and 90 % and without MPS they are right. The engine then served every request's first
 mixed prefill step with NaN logits. So before serving, each distinct matrix of the model is multiplied by
 random activations at a few row counts through the engine's own `linear` and compared with a float32
 product; a wrong answer stops the engine with a message that names the product, instead of serving noise.

@@ -160,7 +160,7 @@ class Scheduler:
                     continue  # preempted earlier in this loop, or not this pass
                 if decoding and lead is not None and (not wake or self._lead(seq, now) >= 1.5 * lead):
                     continue  # paced: far enough ahead of real time
-                if decoding and seq.hold_until is not None and now < seq.hold_until:
+                if decoding and self._is_held(seq, now):
                     continue  # first-audio hold
                 if decoding and seq.num_generated >= seq.request.max_new_tokens:
                     continue  # its last row is still being sampled (asynchronous steps): it ends then
@@ -232,17 +232,23 @@ class Scheduler:
         anything back)."""
         lead = self.config.pacing_lead_codes
         now, rate = self.clock(), self.config.pacing_codes_per_s
-        held = [seq.hold_until - now for seq in self.running if seq.hold_until is not None and now < seq.hold_until]
+        held = [seq for seq in self.running if self._is_held(seq, now)]
         if not self.running or (lead is None and not held):
             return None
         if self.waiting or any(s.num_uncomputed != 1 for s in self.running):
             return 0.0
-        free = [seq for seq in self.running if seq.hold_until is None or now >= seq.hold_until]
-        if free and lead is None:
-            return 0.0
-        # the lead falls by `rate` codes per second
-        paced = [max(0.0, (self._lead(seq, now) - lead) / rate) for seq in free] if lead is not None else []
-        return min(held + paced)
+        dues = [seq.hold_until - now for seq in held]  # (a held sequence's hold_until is set)
+        for seq in self.running:
+            if not self._is_held(seq, now):
+                if lead is None:
+                    return 0.0  # a free sequence decodes now
+                dues.append(max(0.0, (self._lead(seq, now) - lead) / rate))  # the lead falls by `rate` per s
+        return min(dues)
+
+    @staticmethod
+    def _is_held(seq: Sequence, now: float) -> bool:
+        """Whether `seq`'s first-audio hold lasts at `now`."""
+        return seq.hold_until is not None and now < seq.hold_until
 
     def _lead(self, seq: Sequence, now: float) -> float:
         """Codes `seq` is ahead of real time since its first code (-inf before it has one)."""
