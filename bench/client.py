@@ -20,6 +20,7 @@ import asyncio
 import ipaddress
 import itertools
 import json
+import secrets
 import shlex
 import struct
 import sys
@@ -46,11 +47,15 @@ from bench.measure import (  # the repo root is on sys.path now
     speech_prompt_text,
     summarize,
 )
+from deployments.timeline import first_audio_stages
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPEECH_PATH = "/v1/audio/speech"
 REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
-_variants = itertools.count()  # prompt variants of this process's requests
+# Prompt variants of this process's requests, from a random start: two client processes against one
+# server (e.g. a closed loop, then listeners) must not send the same texts, or the second one's prompts
+# come from the prefix cache.
+_variants = itertools.count(secrets.randbelow(10**7))
 
 
 class WavFormatError(ValueError):
@@ -169,6 +174,7 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
     result = RequestResult()
     body = load.payload()
     started = time.perf_counter()
+    sent_at = time.time()  # wall clock, to place the server's timeline marks
     timeline = AudioTimeline(started, result)
     audio = AudioStream(load.response_format)
     try:
@@ -185,14 +191,15 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
                     timeline.add(time.perf_counter(), audio.feed(data))
         timeline.finish(time.perf_counter())
         if result.status == 200 and load.server_summary and result.request_id:
-            await _add_server_summary(client, load, result)
+            await _add_server_summary(client, load, result, sent_at)
     except (httpx.HTTPError, WavFormatError) as exc:
         timeline.finish(time.perf_counter())
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
 
-async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, result: RequestResult) -> None:
+async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, result: RequestResult,
+                              sent_at: float) -> None:
     response = await client.get(f"{load.url}/admin/requests/{result.request_id}", timeout=30.0)
     if response.status_code != 200:
         result.error = f"no server summary for {result.request_id}: HTTP {response.status_code}"
@@ -200,6 +207,9 @@ async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, resul
     summary = response.json()
     result.num_audio_codes = summary.get("num_audio_codes")
     result.num_prompt_tokens = summary.get("num_prompt_tokens")
+    result.num_cached_prompt_tokens = summary.get("num_cached_prompt_tokens")
+    if result.ttfa_s is not None and summary.get("timeline"):
+        result.first_audio_stages_s = first_audio_stages(summary["timeline"], sent_at, sent_at + result.ttfa_s)
     if summary.get("status") != 200:  # raw audio can only stop short when the server fails mid-way
         result.error = f"server ended the stream with status {summary.get('status')}"
 

@@ -20,7 +20,9 @@
 # loop of listeners, ramped over RAMP_S: each worker plays a reply in real time before its next request,
 # bench/client.py --listen; none by default), PIPE_RAMP_S (the same ramp for pipeline.py), PIPE_LISTEN (1:
 # pipeline.py's levels are listeners too, --listen),
-# MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
+# SERVE_OPTIMIZED (1: bench/serve_app.py --throughput-optimized, Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED=1) with
+# CLIENT_DIRECT (1: the client sends to the ingress replica's own HTTP server, the ready file's direct_url,
+# instead of Serve's proxy), MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
 # processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -133,6 +135,7 @@ serve_phase() {
   SERVE_CMD=("$PY" bench/serve_app.py --config "$CONFIG" --port "$HTTP_PORT" --metrics-port "$METRICS_PORT"
              --ready-file "$OUT/serve_ready.json")
   [ "$MODE" = cpu ] && SERVE_CMD+=(--num-cpus 2)
+  [ "${SERVE_OPTIMIZED:-0}" = 1 ] && SERVE_CMD+=(--throughput-optimized)
   record "${SERVE_CMD[@]}"
   log "starting Serve: ${SERVE_CMD[*]}"
   rm -f "$OUT/serve_ready.json"  # a ready file of an earlier run in the same OUT must not count
@@ -148,6 +151,10 @@ serve_phase() {
     sleep 1
   done
   URL="http://127.0.0.1:$HTTP_PORT"
+  if [ "${CLIENT_DIRECT:-0}" = 1 ]; then
+    URL=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["direct_url"] or "")' "$OUT/serve_ready.json")
+    [ -n "$URL" ] || { log "CLIENT_DIRECT=1 needs SERVE_OPTIMIZED=1 (no direct_url)"; stop_serve; return 3; }
+  fi
   log "Serve ready: $(cat "$OUT/serve_ready.json")"
   for pid in $(pgrep -f 'ServeReplica' || true); do  # the MPS settings each replica process started with
     echo "replica $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-48): $(tr '\0' '\n' < "/proc/$pid/environ" \
@@ -277,6 +284,11 @@ for name in ["client_closed.json", "client_steady.json", "client_listen.json", "
               f"stall {lv['underruns']['stall_s_total']:.1f}s at audio s {lv['underruns'].get('by_audio_played_s', '-')} "
               f"codes={lv['num_audio_codes_seen']} "
               f"prompt={lv['num_prompt_tokens_seen']} driver_lag_p99={ms(lv.get('driver_loop_lag_s', {'p99': None}), 'p99')}")
+        stages = lv.get("first_audio_stages_s") or {}
+        if stages:  # the server's timeline (deployments/timeline.py): exact per request, p50 per stage
+            n = next(iter(stages.values()))["count"]
+            print(f"    first audio by stage, p50 ms over {n} requests: "
+                  + " ".join(f"{k}={v['p50'] * 1000:.1f}" for k, v in stages.items()))
 EOF
 # Server-side stage split per client phase (difference of consecutive scrapes; includes warm-ups).
 "$PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/digest.txt"

@@ -80,7 +80,10 @@ class RequestResult:
     stalled_at_audio_s: list[float] = field(default_factory=list)  # audio played before each underrun
     num_audio_codes: int | None = None  # as the server (or the engine) reported it, when known
     num_prompt_tokens: int | None = None
+    num_cached_prompt_tokens: int | None = None  # of them served by the prefix cache, when known
     first_codes_s: float | None = None  # in process only: when the engine's first codes came out
+    # over HTTP with the server's summary: the time to first audio split into stages (deployments/timeline.py)
+    first_audio_stages_s: dict[str, float] | None = None
 
     @property
     def is_ok(self) -> bool:
@@ -207,7 +210,16 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
         },
         "num_audio_codes_seen": codes,
         "num_prompt_tokens_seen": prompts,
+        "num_cached_prompt_tokens": percentiles([float(r.num_cached_prompt_tokens) for r in ok
+                                                 if r.num_cached_prompt_tokens is not None]),
+        "first_audio_stages_s": stage_percentiles([r.first_audio_stages_s for r in ok if r.first_audio_stages_s]),
     }
+
+
+def stage_percentiles(stages: Sequence[dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    """Per stage (in the order the first request lists them), percentiles of its seconds over requests."""
+    names = list(stages[0]) if stages else []
+    return {name: percentiles([s[name] for s in stages if name in s]) for name in names}
 
 
 STALL_POSITION_EDGES_S = (0.5, 1.0, 2.0, 4.0)

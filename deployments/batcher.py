@@ -73,6 +73,11 @@ class BatchedStream:
         self.num_codes = 0
         self.num_samples = 0
         self.first_pcm_at: float | None = None
+        # Timeline marks (wall clock, deployments/timeline.py): the step that made the first PCM, when it
+        # started and how many codes the stream had by then, and when that PCM reached the event loop.
+        self.step_started_wall: float | None = None
+        self.step_codes = 0
+        self.first_pcm_marks: dict[str, float | int] = {}
 
     def lag_s(self, now: float, sample_rate: int) -> float:
         """Seconds a real-time listener who started at the first chunk would be waiting now."""
@@ -285,6 +290,10 @@ class VocoderBatcher:
             self._streams.remove(stream)
         self._in_flight.update(ready)
         started = time.monotonic()
+        wall = time.time()
+        for stream in ready:
+            if stream.first_pcm_at is None:
+                stream.step_started_wall, stream.step_codes = wall, stream.num_codes
         try:
             pcms = await self._call(lambda: self.vocoder.step(work, **options), lane=lane)
         except Exception as exc:
@@ -369,6 +378,9 @@ class VocoderBatcher:
         if len(pcm):
             if stream.first_pcm_at is None:
                 stream.first_pcm_at = time.monotonic()
+                stream.first_pcm_marks = {"vocoder_first_step_started": stream.step_started_wall,
+                                          "vocoder_first_chunk_codes": stream.step_codes,
+                                          "vocoder_first_pcm": time.time()}
             stream.num_samples += len(pcm)
             stream.out.put_nowait(pcm)
 

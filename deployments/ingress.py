@@ -51,6 +51,7 @@ class Ingress:
         self._created = int(time.time())
 
     async def __call__(self, request: Request) -> Response:
+        received_at = time.time()  # wall clock: the request's timeline (deployments/timeline.py)
         path, method = self._route_path(request), request.method
         route, expected = ROUTES.get(path, ("admin", "GET") if path.startswith(REQUESTS_PREFIX) else
                                      ("unknown", method))
@@ -61,9 +62,9 @@ class Ingress:
                 raise ApiError(405, f"{method} is not allowed on {path}; use {expected}",
                                kind="invalid_request", code="method_not_allowed")
             if route == "speech":
-                return await self._speech(request)
+                return await self._speech(request, received_at)
             if route == "chat":
-                return await self._chat(request)
+                return await self._chat(request, received_at)
             response = await self._get(path)
         except ApiError as err:
             self._count(route, err.status, err.kind)
@@ -125,14 +126,14 @@ class Ingress:
                                code="request_too_large")
         return body
 
-    async def _speech(self, request: Request) -> Response:
+    async def _speech(self, request: Request, received_at: float) -> Response:
         parsed, payload = speech_request(await self._read_body(request), await self._get_limits())
-        return await self._stream("speech", payload, speech_plan(parsed))
+        return await self._stream("speech", payload, speech_plan(parsed), received_at)
 
-    async def _chat(self, request: Request) -> Response:
+    async def _chat(self, request: Request, received_at: float) -> Response:
         parsed, payload = chat_request(await self._read_body(request), await self._get_limits())
         plan = chat_plan(parsed, payload["request_id"], self._args.served_model_name)
-        response = await self._stream("chat", payload, plan)
+        response = await self._stream("chat", payload, plan, received_at)
         if not isinstance(plan, ChatCompletionPlan):
             return response
         # stream=false: run the same body to its end here, then answer once (a failure keeps its status)
@@ -154,7 +155,7 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - any remote failure becomes an HTTP error
             raise ApiError.from_event(error_event(exc, retry_after_s=self._args.retry_after_s)) from None
 
-    async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan) -> Response:
+    async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan, received_at: float) -> Response:
         """Open the utterance stream, peek at its first event, then stream the response body."""
         started = time.monotonic()
         deadline = started + self._args.request_timeout_s
@@ -170,7 +171,8 @@ class Ingress:
         request_id = payload["request_id"]
         summary = {"request_id": request_id, "route": route, "status": "streaming",
                    "finish_reason": None, "num_audio_codes": None, "num_audio_samples": 0,
-                   "num_prompt_tokens": None, "num_cached_prompt_tokens": None}
+                   "num_prompt_tokens": None, "num_cached_prompt_tokens": None,
+                   "timeline": {"ingress_received": received_at}}
         self._remember(summary)
         return StreamingResponse(self._body(route, stream, plan, summary, started, deadline),
                                  media_type=plan.media_type,
@@ -195,6 +197,7 @@ class Ingress:
                     now = time.monotonic()
                     if last_audio_at is None:
                         self._metrics.time_to_first_audio.observe(now - started)
+                        summary["timeline"]["ingress_first_audio"] = time.time()
                     else:
                         self._metrics.chunk_gap.observe(now - last_audio_at)
                     last_audio_at = now
@@ -209,6 +212,7 @@ class Ingress:
                 elif event["type"] == "done":
                     summary.update({k: event[k] for k in ("num_audio_codes", "num_prompt_tokens",
                                                          "num_cached_prompt_tokens")})
+                    summary["timeline"] = {**event.get("timeline", {}), **summary["timeline"]}
                     summary["finish_reason"] = event["reason"]
                     yield plan.done(event)
                     status, error_kind = 200, None

@@ -15,6 +15,7 @@ from typing import Any
 
 from deployments.errors import error_event
 from deployments.metrics import LLMMetrics, RecentWindow
+from deployments.timeline import stamp_codes
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,9 +50,13 @@ def to_event(event: Any) -> dict[str, Any]:
     if isinstance(event, AudioCodes):
         return {"type": "codes", "codes": list(event.codes)}
     assert isinstance(event, Finished), f"unknown engine event {event!r}"
+    timeline = event.timeline
     return {"type": "finished", "reason": event.reason, "num_prompt_tokens": event.num_prompt_tokens,
             "num_generated_tokens": event.num_generated_tokens, "num_audio_codes": event.num_audio_codes,
-            "num_cached_prompt_tokens": event.num_cached_prompt_tokens, "error": event.error}
+            "num_cached_prompt_tokens": event.num_cached_prompt_tokens, "error": event.error,
+            "timeline": {} if timeline is None else {
+                "engine_arrived": timeline.arrived, "engine_first_scheduled": timeline.first_scheduled,
+                "engine_codes": list(timeline.codes)}}
 
 
 class LLMServer:
@@ -74,6 +79,7 @@ class LLMServer:
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request's events; see the module docstring."""
         started = time.monotonic()
+        received_at = time.time()  # wall clock: the request's timeline (deployments/timeline.py)
         request_id = request["request_id"]
         try:
             codes_stream = request.get("codes_stream") or {}
@@ -85,17 +91,20 @@ class LLMServer:
             yield error_event(exc)
             return
         is_finished = False
-        saw_audio = False
+        codes_sent: list[float] = []  # when the event carrying each of the first codes left
         try:
             event = first
             while True:
                 item = to_event(event)
-                if item["type"] == "codes" and not saw_audio:
-                    saw_audio = True
-                    first_code_s = time.monotonic() - started
-                    self._ttfa.add(first_code_s)
-                    self._metrics.time_to_first_code.observe(first_code_s)
+                if item["type"] == "codes":
+                    if not codes_sent:
+                        first_code_s = time.monotonic() - started
+                        self._ttfa.add(first_code_s)
+                        self._metrics.time_to_first_code.observe(first_code_s)
+                    stamp_codes(codes_sent, len(item["codes"]))
                 is_finished = item["type"] == "finished"
+                if is_finished:
+                    item["timeline"].update(llm_received=received_at, llm_codes_sent=codes_sent)
                 yield item
                 if is_finished:
                     return

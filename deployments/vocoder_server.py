@@ -23,6 +23,7 @@ from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepE
 from deployments.errors import error_event, internal_error
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
+from deployments.timeline import stamp_codes
 
 logger = logging.getLogger("ray.serve")
 
@@ -81,6 +82,7 @@ class VocoderServer:
     async def synthesize(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one utterance: see the module docstring for the events."""
         started = time.monotonic()
+        received_at = time.time()  # wall clock: the request's timeline (deployments/timeline.py)
         if request["with_audio"]:
             request = {**request, "codes_stream": self._codes_stream}
         llm_stream = self._llm.generate.options(stream=True).remote(request)
@@ -115,8 +117,9 @@ class VocoderServer:
                     return
             out: asyncio.Queue = stream.out if stream is not None else asyncio.Queue()
             finished: dict[str, Any] = {}
+            codes_received: list[float] = []
             reader = asyncio.get_running_loop().create_task(
-                self._read_llm(first, llm_stream, stream, out, finished))
+                self._read_llm(first, llm_stream, stream, out, finished, codes_received))
             yield {"type": "started"}
             num_samples = 0
             while True:
@@ -137,7 +140,10 @@ class VocoderServer:
                 yield {"type": "audio", "pcm": pcm16_bytes(item)}
             await reader
             is_done = True
-            yield {"type": "done", **finished, "num_audio_samples": num_samples}
+            timeline = {**finished.pop("timeline", {}), "vocoder_received": received_at,
+                        "vocoder_codes_received": codes_received,
+                        **(stream.first_pcm_marks if stream is not None else {})}
+            yield {"type": "done", **finished, "num_audio_samples": num_samples, "timeline": timeline}
         finally:
             self._set_active(-1)
             if reader is not None and not reader.done():
@@ -159,14 +165,16 @@ class VocoderServer:
         opening.add_done_callback(close)
 
     async def _read_llm(self, first: dict[str, Any], llm_stream: Any, stream: BatchedStream | None,
-                        out: asyncio.Queue, finished: dict[str, Any]) -> None:
-        """Move LLM events into the batcher (codes) or straight to `out` (text); END after the tail."""
+                        out: asyncio.Queue, finished: dict[str, Any], codes_received: list[float]) -> None:
+        """Move LLM events into the batcher (codes) or straight to `out` (text); END after the tail.
+        The `finished` event's fields land in `finished`; the first codes' arrival times in `codes_received`."""
         try:
             item = first
             while True:
                 if item["type"] == "text":
                     out.put_nowait(item)
                 elif item["type"] == "codes":
+                    stamp_codes(codes_received, len(item["codes"]))
                     if stream is not None:
                         self._batcher.push(stream, item["codes"])
                 elif item["type"] == "finished":

@@ -29,7 +29,16 @@ from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_f
 from runtime.matmul_check import ProductCheck, distinct_matrices, verify_products
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 from runtime.model_runner import ModelInput, ModelRunner, RowFeed
-from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, validate_request
+from runtime.request import (
+    TIMELINE_CODES,
+    AudioCodes,
+    Event,
+    Finished,
+    GenerationRequest,
+    TextDelta,
+    Timeline,
+    validate_request,
+)
 from runtime.sampling import LaunchedRows, RequestSampler
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import PENDING_ROW, IncrementalDetokenizer, Sequence
@@ -193,6 +202,13 @@ def _charge_step(out: SchedulerOutput, step_s: float) -> None:
             chunk.seq.prefill_s += step_s
 
 
+def _stamp_scheduled(out: SchedulerOutput) -> None:
+    """Note the wall time of each sequence's first scheduled step (its Timeline)."""
+    for chunk in out.chunks:
+        if chunk.seq.first_scheduled_at is None:
+            chunk.seq.first_scheduled_at = time.time()
+
+
 def default_seed(request_id: str) -> int:
     """Seed of a request that gives none: the first 8 bytes of sha256(request_id)."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
@@ -342,6 +358,7 @@ class EngineCore:
         start = time.perf_counter()
         events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
         out = self.scheduler.schedule()
+        _stamp_scheduled(out)
         scheduled = time.perf_counter()
         inp = None if out.is_empty else self.runner.prepare(out)
         self._timing = [scheduled - start, time.perf_counter() - scheduled]
@@ -407,6 +424,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             return events, None
+        _stamp_scheduled(out)
         scheduled = time.perf_counter()
         inp = self.runner.prepare(out)
         return events, _Launched(out, inp, None, self._feed(inp), [scheduled - start, time.perf_counter() - scheduled],
@@ -545,6 +563,8 @@ class EngineCore:
                 events.append((rid, TextDelta(text)))
         code = seq.sampler.last_output_code
         if code is not None:
+            if len(seq.code_times) < TIMELINE_CODES:
+                seq.code_times.append(time.time())
             events.append((rid, AudioCodes((code,))))
         if seq.is_finished:
             events += self._finish_events(seq)
@@ -561,7 +581,7 @@ class EngineCore:
         finished = Finished(
             reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_rows, num_generated_tokens=seq.num_generated,
             num_audio_codes=len(seq.sampler.audio_codes), num_cached_prompt_tokens=seq.num_cached_tokens,
-            error=seq.error,
+            error=seq.error, timeline=Timeline(seq.arrived_at, seq.first_scheduled_at, tuple(seq.code_times)),
         )
         events.append((seq.request_id, finished))
         return events

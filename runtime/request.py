@@ -10,6 +10,8 @@ from runtime.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+TIMELINE_CODES = 32  # a request's timeline times this many of its first audio codes
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -42,6 +44,16 @@ class AudioCodes:
 
 
 @dataclass(frozen=True)
+class Timeline:
+    """Wall-clock times (`time.time()`, seconds) of a request's first moments in the engine, so that its
+    first audio's latency can be split into stages across the processes of one host (docs/metrics.md)."""
+
+    arrived: float  # queued by `add_request`
+    first_scheduled: float | None  # its first step was scheduled (None: it never ran)
+    codes: tuple[float, ...]  # when each of its first TIMELINE_CODES audio codes was read on the host
+
+
+@dataclass(frozen=True)
 class Finished:
     """Last event of every stream: why it ended and how many rows it used."""
 
@@ -51,6 +63,7 @@ class Finished:
     num_audio_codes: int
     num_cached_prompt_tokens: int
     error: str | None = None
+    timeline: Timeline | None = field(default=None, compare=False)  # diagnostic: not part of equality
 
 
 Event = TextDelta | AudioCodes | Finished

@@ -9,6 +9,7 @@ preemption). The block manager reads and writes `block_table`, `block_hashes` an
 from __future__ import annotations
 
 import enum
+import time
 from typing import TYPE_CHECKING
 
 from runtime.config import MODALITY_PAD_ID, Row
@@ -61,6 +62,10 @@ class Sequence:
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.num_decode_steps = 0
+        # Wall-clock times of its first moments (runtime.request.Timeline).
+        self.arrived_at = time.time()
+        self.first_scheduled_at: float | None = None
+        self.code_times: list[float] = []
 
     @property
     def num_rows(self) -> int:

@@ -7,11 +7,13 @@ import dataclasses
 import math
 import random
 import threading
+import time
 from collections import Counter
 
 import pytest
 import torch
 
+import runtime.engine as engine_module
 from runtime.config import AUDIO_PAD_ID, EOSP_ID, IM_START_ID, MODALITY_PAD_ID, SOSP_ID, ModelConfig, Row
 from runtime.engine import (
     BROKEN_LOGITS_MESSAGE,
@@ -25,7 +27,7 @@ from runtime.errors import ContextLengthExceededError, EngineOverloadedError, In
 from runtime.kv_cache import kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
 from runtime.model_runner import ModelInput, RowFeed
-from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta
+from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, Timeline
 from runtime.sampling import LaunchedRows, RequestSampler, SamplingParams, is_stop_row, sample_next_rows
 from runtime.sequence import PENDING_ROW, IncrementalDetokenizer, Sequence
 from runtime.tokenizer import Tokenizer
@@ -121,6 +123,29 @@ def test_single_request_greedy_matches_reference(model: MossSpeechForCausalLM, a
     assert generated(seqs["r"]) == ref
     check_events(events["r"], sampler, seqs["r"], "stop" if is_stop_row(ref[-1]) else "length")
     assert (len(sampler.audio_codes) > 0) == audio_out
+
+
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_finished_carries_the_timeline_of_arrival_first_step_and_first_codes(
+        model: MossSpeechForCausalLM, async_steps: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = [0]
+    monkeypatch.setattr(time, "time", lambda: float(step[0]))  # the wall clock reads the step number
+    monkeypatch.setattr(engine_module, "TIMELINE_CODES", 4)
+    rng = random.Random(12)
+    a, b = (GenerationRequest(rid, prompt(rng, 9, audio_out=True), GREEDY, GREEDY, max_new_tokens=6,
+                              min_new_tokens=6) for rid in "ab")
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps))
+    events: list[tuple[str, Event]] = []
+    while step[0] == 0 or core.has_work:
+        if step[0] in (0, 2):
+            core.add_request(a if step[0] == 0 else b)
+        events += core.step()
+        step[0] += 1
+    finished = {rid: e for rid, e in events if isinstance(e, Finished)}
+    lag = 1 if async_steps else 0  # asynchronous steps read a step's rows one step later
+    assert finished["a"].num_audio_codes == finished["b"].num_audio_codes == 6
+    assert finished["a"].timeline == Timeline(0.0, 0.0, tuple(float(k + lag) for k in range(4)))
+    assert finished["b"].timeline == Timeline(2.0, 2.0, tuple(float(k + 2 + lag) for k in range(4)))
 
 
 @pytest.mark.parametrize("async_steps", ASYNC_STEPS)

@@ -25,6 +25,7 @@ from bench.client import (
 from bench.client import main as client_main
 from bench.measure import PlaybackClock, speech_prompt_text, stall_positions, summarize
 from deployments.framing import wav_header
+from deployments.timeline import STAGES
 from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
 from runtime.tokenizer import Tokenizer
 
@@ -142,6 +143,13 @@ def test_client_counts_match_the_servers_reports_and_metrics(serve_base_url: str
         assert r.audio_s == pytest.approx(CODES * 0.08, rel=1e-12)
         assert r.num_chunks >= 1 and len(r.chunk_gaps_s) == r.num_chunks - 1
         assert 0 < r.ttfa_s <= r.e2e_s and r.rtf == r.e2e_s / r.audio_s
+        # the server's timeline splits the client's time to first audio into stages that add up to it
+        assert r.first_audio_stages_s is not None and list(r.first_audio_stages_s) == [n for n, _ in STAGES]
+        assert sum(r.first_audio_stages_s.values()) == pytest.approx(r.ttfa_s, abs=1e-6)
+        assert min(r.first_audio_stages_s.values()) >= 0.0  # marks of one host's clock come in causal order
+    timeline = httpx.get(f"{serve_base_url}/admin/requests/{results[0].request_id}", timeout=30).json()["timeline"]
+    assert [len(timeline[k]) for k in ("engine_codes", "llm_codes_sent", "vocoder_codes_received")] == [CODES] * 3
+    assert timeline["vocoder_first_chunk_codes"] >= 2 + 3  # the tiny service's 2-code first chunk + lookahead
 
     after = _settled(lambda v: v["requests"] >= before["requests"] + 6)
     assert after["requests"] - before["requests"] == 6
@@ -154,6 +162,12 @@ def test_client_counts_match_the_servers_reports_and_metrics(serve_base_url: str
     assert (summary["num_requests"], summary["num_ok"], summary["errors"]) == (6, 6, {})
     assert summary["num_audio_codes_seen"] == [CODES] and summary["num_prompt_tokens_seen"] == [PROMPT_TOKENS]
     assert summary["ttfa_s"]["count"] == 6
+    # unique prompts share only the system prompt's 8 full blocks of 16 rows (138 rows are common), never more
+    cached = [r.num_cached_prompt_tokens for r in results]
+    assert set(cached) <= {0, 128} and cached[-1] == 128 and summary["num_cached_prompt_tokens"]["max"] == 128
+    stages = summary["first_audio_stages_s"]
+    assert list(stages) == [n for n, _ in STAGES] and {v["count"] for v in stages.values()} == {6}
+    assert sum(v["mean"] for v in stages.values()) == pytest.approx(summary["ttfa_s"]["mean"], abs=1e-6)
     assert summary["chunk_gap_s"]["count"] == sum(r.num_chunks - 1 for r in results)
     assert summary["audio_s_total"] == pytest.approx(6 * CODES * 0.08, rel=1e-12)
     underruns = summary["underruns"]
