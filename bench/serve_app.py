@@ -7,6 +7,8 @@ Used by bench/h200_e2e.sh. Unlike `serve run`, it starts its own Ray with known 
 export), forces the HTTP host to 127.0.0.1, writes `--ready-file` (JSON: url, metrics port, config)
 once every application is RUNNING, and on SIGTERM/SIGINT shuts Serve and Ray down, so the caller stops
 everything by this one process id. Needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (loopback node address).
+With `--throughput-optimized` (Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED=1, docs/operations.md) the ready file
+also names `direct_url`: the ingress replica's own HTTP server, which skips the proxy's hop.
 """
 from __future__ import annotations
 
@@ -38,6 +40,27 @@ def build_application(app: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), attr)(app.get("args", {}))
 
 
+DIRECT_PORTS = 64  # ports for ingress replicas' own HTTP servers (direct ingress), from --direct-port on
+
+
+def direct_ingress_url(first_port: int, timeout_s: float = 60.0) -> str:
+    """The loopback URL of the ingress replica's own HTTP server (direct ingress): the first port from
+    `first_port` on whose /health answers 200. Ray gives replicas the lowest free port of the range."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for port in range(first_port, first_port + DIRECT_PORTS):
+            url = f"http://127.0.0.1:{port}"
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                continue
+        time.sleep(0.5)
+    raise RuntimeError(f"no ingress replica answered on 127.0.0.1:{first_port}..{first_port + DIRECT_PORTS - 1}")
+
+
 def _session_dir() -> str | None:
     """This Ray's session folder (logs), or None if Ray's internals moved."""
     try:
@@ -56,9 +79,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, required=True, help="Ray metrics export port")
     parser.add_argument("--num-cpus", type=int, default=None)
     parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--throughput-optimized", action="store_true",
+                        help="set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 for this Ray (also honoured when already set): "
+                             "replicas talk over gRPC, user code runs on the replica's loop, and the ingress "
+                             "replica serves HTTP itself from --direct-port on (the ready file's direct_url)")
+    parser.add_argument("--direct-port", type=int, default=30000,
+                        help="first port of the ingress replicas' own HTTP servers (throughput-optimized)")
     args = parser.parse_args(argv)
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         raise SystemExit("set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 so that Ray binds to 127.0.0.1")
+    optimized = args.throughput_optimized or os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
+    if optimized:  # read by every Ray process at import: set before Ray starts them
+        os.environ.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                           "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(args.direct_port),
+                           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(args.direct_port + DIRECT_PORTS)})
 
     import ray
     from ray import serve
@@ -79,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         serve.start(http_options=http, proxy_location=config.get("proxy_location", "HeadOnly"))
         for app in config["applications"]:
             serve.run(build_application(app), name=app["name"], route_prefix=app.get("route_prefix", "/"))
-        ready = {"url": f"http://127.0.0.1:{http.get('port', 8000)}", "metrics_port": args.metrics_port,
+        ready = {"url": f"http://127.0.0.1:{http.get('port', 8000)}",
+                 "direct_url": direct_ingress_url(args.direct_port) if optimized else None,
+                 "metrics_port": args.metrics_port,
                  "config": args.config, "startup_s": time.perf_counter() - started,
                  "cluster_resources": ray.cluster_resources(), "session_dir": _session_dir()}
         Path(args.ready_file).write_text(json.dumps(ready) + "\n")
