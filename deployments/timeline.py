@@ -14,18 +14,20 @@ from typing import Any
 
 MAX_CODES = 32  # per-code marks kept for a request's first codes (= runtime.request.TIMELINE_CODES)
 
-# (stage, mark that ends it); each stage starts at the previous mark, the first at the client's send.
-# A mark "name[n]" is the time of the code the vocoder's first audio waited for (the n-th code).
-STAGES: tuple[tuple[str, str], ...] = (
+NTH = 0  # in a per-code mark: the code the vocoder's first audio waited for (`vocoder_first_chunk_codes`)
+
+# (stage, mark that ends it); each stage starts at the previous mark, the first at the client's send. A mark
+# is a timeline key, or (key, k) for the k-th (1-based; NTH: the n-th) of a per-code list of marks.
+STAGES: tuple[tuple[str, str | tuple[str, int]], ...] = (
     ("client_to_ingress", "ingress_received"),      # HTTP request in, to the ingress handler
     ("ingress_to_vocoder", "vocoder_received"),     # Serve call ingress -> vocoder
     ("vocoder_to_llm", "llm_received"),             # Serve call vocoder -> LLM
     ("llm_to_engine", "engine_arrived"),            # prompt rows built, request queued in the engine
     ("engine_queue", "engine_first_scheduled"),     # waiting for its first step
-    ("first_code", "engine_codes[1]"),              # prefill + sampling, read on the host
-    ("more_codes", "engine_codes[n]"),              # decode steps up to the n-th code
-    ("llm_send", "llm_codes_sent[n]"),              # engine thread -> the LLM deployment's stream
-    ("llm_to_vocoder", "vocoder_codes_received[n]"),  # Serve stream item LLM -> vocoder
+    ("first_code", ("engine_codes", 1)),            # prefill + sampling, read on the host
+    ("more_codes", ("engine_codes", NTH)),          # decode steps up to the n-th code
+    ("llm_send", ("llm_codes_sent", NTH)),          # engine thread -> the LLM deployment's stream
+    ("llm_to_vocoder", ("vocoder_codes_received", NTH)),  # Serve stream item LLM -> vocoder
     ("vocoder_wait", "vocoder_first_step_started"),  # batcher picks the stream and starts a step
     ("vocoder_first_chunk", "vocoder_first_pcm"),   # that step's flow + BigVGAN, PCM back on the loop
     ("vocoder_to_ingress", "ingress_first_audio"),  # Serve stream item vocoder -> ingress
@@ -39,11 +41,10 @@ def stamp_codes(times: list[float], num_codes: int, now: float | None = None) ->
     times.extend([now] * max(0, min(num_codes, MAX_CODES - len(times))))
 
 
-def _mark(timeline: dict[str, Any], name: str, n: int) -> float | None:
-    if not name.endswith("]"):
-        return timeline.get(name)
-    key, index = name[:-1].split("[")
-    k = n if index == "n" else int(index)
+def _mark(timeline: dict[str, Any], mark: str | tuple[str, int], n: int) -> float | None:
+    if isinstance(mark, str):
+        return timeline.get(mark)
+    key, k = mark[0], mark[1] or n
     times = timeline.get(key) or []
     return times[k - 1] if 1 <= k <= len(times) else None
 
@@ -57,8 +58,8 @@ def first_audio_stages(timeline: dict[str, Any], sent_at: float, first_audio_at:
         return None
     stages: dict[str, float] = {}
     previous = sent_at
-    for stage, name in STAGES:
-        at = _mark(marks, name, n)
+    for stage, mark in STAGES:
+        at = _mark(marks, mark, n)
         if at is None:
             return None
         stages[stage] = at - previous

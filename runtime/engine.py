@@ -202,13 +202,6 @@ def _charge_step(out: SchedulerOutput, step_s: float) -> None:
             chunk.seq.prefill_s += step_s
 
 
-def _stamp_scheduled(out: SchedulerOutput) -> None:
-    """Note the wall time of each sequence's first scheduled step (its Timeline)."""
-    for chunk in out.chunks:
-        if chunk.seq.first_scheduled_at is None:
-            chunk.seq.first_scheduled_at = time.time()
-
-
 def default_seed(request_id: str) -> int:
     """Seed of a request that gives none: the first 8 bytes of sha256(request_id)."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
@@ -356,13 +349,21 @@ class EngineCore:
     def begin_step(self) -> tuple[list[tuple[str, Event]], SchedulerOutput, ModelInput | None]:
         """Expire overdue waiting requests, schedule, and build the model input (None: nothing to run)."""
         start = time.perf_counter()
-        events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
-        out = self.scheduler.schedule()
-        _stamp_scheduled(out)
+        events, out = self._schedule()
         scheduled = time.perf_counter()
         inp = None if out.is_empty else self.runner.prepare(out)
         self._timing = [scheduled - start, time.perf_counter() - scheduled]
         return events, out, inp
+
+    def _schedule(self) -> tuple[list[tuple[str, Event]], SchedulerOutput]:
+        """Expire overdue waiting requests (their events) and schedule the next step, noting each sequence's
+        first scheduled step in its Timeline."""
+        events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
+        out = self.scheduler.schedule()
+        for chunk in out.chunks:
+            if chunk.seq.first_scheduled_at is None:
+                chunk.seq.first_scheduled_at = time.time()
+        return events, out
 
     def run_model(self, inp: ModelInput) -> tuple[dict[str, Row | None], float]:
         """Forward and sample (no core state is touched: callers may run this without their lock)
@@ -420,11 +421,9 @@ class EngineCore:
         """Expire, schedule and prepare the next step; the rows still being sampled are fed on the device
         from the step in flight -> (events of expired requests, the step to `launch`, or None)."""
         start = time.perf_counter()
-        events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
-        out = self.scheduler.schedule()
+        events, out = self._schedule()
         if out.is_empty:
             return events, None
-        _stamp_scheduled(out)
         scheduled = time.perf_counter()
         inp = self.runner.prepare(out)
         return events, _Launched(out, inp, None, self._feed(inp), [scheduled - start, time.perf_counter() - scheduled],
