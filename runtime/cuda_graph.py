@@ -219,7 +219,11 @@ class DecodeGraphRunner:
         return self._replay(batch, bucket, text)
 
 
-DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+# Prefill chunk buckets: every 64 rows up to 512, every 128 up to 1024, every 256 up to 2048, so a chunk pays
+# for at most 63 rows or 25 % of padding. A prefill at these sizes is compute-bound, so padding rows cost as
+# much as real ones; with doubling buckets a 512-token prompt behind a 128-token cached system prompt
+# (384 new rows) ran as 512 rows. All graphs share one memory pool (the largest bucket's).
+DEFAULT_PREFILL_BUCKETS = (*range(64, 513, 64), *range(640, 1025, 128), *range(1280, 2049, 256))
 
 
 class PrefillGraphRunner:
@@ -258,6 +262,12 @@ class PrefillGraphRunner:
     def max_rows(self) -> int:
         return self.buckets[-1]
 
+    def bucket_for(self, n: int) -> int:
+        """The bucket a chunk of n rows runs in: the smallest one >= n."""
+        if not 1 <= n <= self.max_rows:
+            raise ValueError(f"prefill chunk of {n} rows outside 1..{self.max_rows}")
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
     def _step(self, bucket: int) -> StepInputs:
         return StepInputs(
             tokens=self.tokens[:bucket], is_audio=self.is_audio[:bucket], positions=self.positions[:bucket],
@@ -293,11 +303,9 @@ class PrefillGraphRunner:
         """n new rows of one sequence (its context `seq_len` includes them) -> logits of its last row,
         ([1, Vt], [1, Va]) float32, views of the static output (read before the next `run`)."""
         n = tokens.shape[0]
-        if not 1 <= n <= self.max_rows:
-            raise ValueError(f"prefill chunk of {n} rows outside 1..{self.max_rows}")
+        bucket = self.bucket_for(n)
         if block_table.shape[0] > self.max_blocks:
             raise ValueError(f"block table of {block_table.shape[0]} blocks exceeds {self.max_blocks}")
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.tokens[:n].copy_(tokens)
         self.is_audio[:n].copy_(is_audio)
         self.positions[:n].copy_(positions)

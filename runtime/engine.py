@@ -89,6 +89,9 @@ class EngineConfig:
     # Multiply each distinct matrix of the model at a few row counts and compare with float32 before serving;
     # a wrong product stops the engine (runtime/matmul_check.py). None: on CUDA only.
     check_matmuls: bool | None = None
+    # Fast path on CUDA: row buckets of the one-sequence prefill graphs (None: runtime.cuda_graph's
+    # DEFAULT_PREFILL_BUCKETS). A chunk runs padded to the smallest bucket that holds it; longer ones run eagerly.
+    prefill_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -108,6 +111,11 @@ class EngineConfig:
                 raise ValueError(f"fp8_scope must be one of {FP8_SCOPES} or None, got {self.fp8_scope!r}")
             if not self.fast_path:
                 raise ValueError("fp8_scope needs fast_path=True (the plain model has no FP8 path)")
+        if self.prefill_buckets is not None:
+            buckets = tuple(self.prefill_buckets)  # YAML and JSON give lists
+            if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
+                raise ValueError(f"prefill_buckets must be positive row counts or None, got {self.prefill_buckets!r}")
+            object.__setattr__(self, "prefill_buckets", tuple(sorted(set(buckets))))
         self.scheduler_config()  # validates the scheduler limits
 
     @property
@@ -287,6 +295,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, kv_cache, fast_path=config.fast_path, max_model_len=config.max_model_len,
             max_num_running=config.max_num_running, weights=weights, audio_only_steps=config.audio_only_steps,
+            prefill_buckets=config.prefill_buckets,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0

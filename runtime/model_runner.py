@@ -12,6 +12,7 @@ per row-count bucket).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,11 +85,12 @@ class ModelRunner:
     def __init__(
         self, model: MossSpeechForCausalLM, kv_cache: KVCache, *, fast_path: bool = False,
         max_model_len: int = 4096, max_num_running: int = 64, weights: FusedWeights | None = None,
-        audio_only_steps: bool = True,
+        audio_only_steps: bool = True, prefill_buckets: Sequence[int] | None = None,
     ) -> None:
         """`weights`: the fast path's fused (possibly FP8) weights when the caller made them already.
         `audio_only_steps` (fast path): decode steps in which no row samples in text mode skip the text head
-        and what only feeds it (`FastForward(text=False)`); the sampled rows are the same either way."""
+        and what only feeds it (`FastForward(text=False)`); the sampled rows are the same either way.
+        `prefill_buckets` (fast path on CUDA): the prefill graphs' row buckets (None: the runner's default)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
@@ -110,7 +112,9 @@ class ModelRunner:
                                             audio_only=audio_only_steps)
             self.graphs.capture()  # no-op off CUDA
             if self.device.type == "cuda":  # off CUDA the plain fast call is simpler than padding
-                self.prefill_graphs = PrefillGraphRunner(self.fast, kv_cache, max_model_len=max_model_len)
+                self.prefill_graphs = PrefillGraphRunner(
+                    self.fast, kv_cache, max_model_len=max_model_len,
+                    **({} if prefill_buckets is None else {"buckets": prefill_buckets}))
                 self.prefill_graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:

@@ -351,6 +351,11 @@ def test_kv_pool_sizing_and_config_validation(model: MossSpeechForCausalLM) -> N
         EngineConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(kv_cache_memory_fraction=1.5)
+    assert EngineConfig(prefill_buckets=[512, 64, 384, 64]).prefill_buckets == (64, 384, 512)  # a YAML list
+    assert EngineConfig().prefill_buckets is None
+    for bad in ([], [64, 0], [64, 1.5], [True]):
+        with pytest.raises(ValueError, match="prefill_buckets must be positive row counts"):
+            EngineConfig(prefill_buckets=bad)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         EngineCore(model, Tokenizer.tiny(), engine_config(max_model_len=10_000))
 

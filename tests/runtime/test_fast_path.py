@@ -189,6 +189,24 @@ def test_prefill_runner_pads_to_bucket_and_matches_plain(model: MossSpeechForCau
         assert not fast_cache.k[:, unused].any() and not fast_cache.v[:, unused].any()
 
 
+def test_default_prefill_buckets_bound_the_padding(model: MossSpeechForCausalLM) -> None:
+    """Every chunk of 1..2048 rows runs in the smallest default bucket that holds it, padded by at most
+    63 rows or a quarter of its rows: 384 rows (a 512-token prompt past a 128-token cached prefix) no
+    longer run as 512."""
+    cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
+    runner = PrefillGraphRunner(FastForward(fuse_model_weights(model), TorchOps()), cache, max_model_len=16)
+    assert runner.max_rows == 2048 and not runner.use_graphs
+    assert [runner.bucket_for(n) for n in (1, 64, 65, 384, 385, 513, 1025, 2047, 2048)] == [
+        64, 64, 128, 384, 448, 640, 1280, 2048, 2048]
+    for n in range(1, 2049):
+        bucket = runner.bucket_for(n)
+        assert bucket >= n and bucket - n <= max(63, n // 4)
+        assert not any(n <= b < bucket for b in runner.buckets)
+    for bad in (0, 2049):
+        with pytest.raises(ValueError, match="outside 1..2048"):
+            runner.bucket_for(bad)
+
+
 def test_quantize_weight_per_channel() -> None:
     w = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.001, 0.002, -0.004, 0.003]])
     q = quantize_weight(w)
