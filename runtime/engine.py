@@ -92,9 +92,6 @@ class EngineConfig:
     # Fast path on CUDA: row buckets of the one-sequence prefill graphs (None: runtime.cuda_graph's
     # DEFAULT_PREFILL_BUCKETS). A chunk runs padded to the smallest bucket that holds it; longer ones run eagerly.
     prefill_buckets: tuple[int, ...] | None = None
-    # Fast path with prefill graphs (CUDA): a step mixing decode rows with a few prompt chunks runs as a decode
-    # graph plus a prefill graph per chunk instead of one eager forward (ModelRunner._split_forward).
-    split_mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -298,7 +295,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, kv_cache, fast_path=config.fast_path, max_model_len=config.max_model_len,
             max_num_running=config.max_num_running, weights=weights, audio_only_steps=config.audio_only_steps,
-            prefill_buckets=config.prefill_buckets, split_mixed_steps=config.split_mixed_steps,
+            prefill_buckets=config.prefill_buckets,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0

@@ -32,10 +32,6 @@ from runtime.transfer import to_device
 # (`DecodeGraphRunner.run_host`); False: device tensors per input, as before (bench/engine_loop.py A/B).
 STAGED_DECODE_INPUTS = True
 
-# A step that mixes decode rows with longer chunks runs as graphs in parts when it has at most this many
-# longer chunks (`ModelRunner._split_forward`); more run as one eager forward.
-MAX_SPLIT_CHUNKS = 4
-
 
 @dataclass
 class ModelInput:
@@ -89,22 +85,18 @@ class ModelRunner:
     def __init__(
         self, model: MossSpeechForCausalLM, kv_cache: KVCache, *, fast_path: bool = False,
         max_model_len: int = 4096, max_num_running: int = 64, weights: FusedWeights | None = None,
-        audio_only_steps: bool = True, prefill_buckets: Sequence[int] | None = None, split_mixed_steps: bool = True,
+        audio_only_steps: bool = True, prefill_buckets: Sequence[int] | None = None,
     ) -> None:
         """`weights`: the fast path's fused (possibly FP8) weights when the caller made them already.
         `audio_only_steps` (fast path): decode steps in which no row samples in text mode skip the text head
         and what only feeds it (`FastForward(text=False)`); the sampled rows are the same either way.
-        `prefill_buckets` (fast path on CUDA): the prefill graphs' row buckets (None: the runner's default).
-        `split_mixed_steps` (fast path with prefill graphs): a step mixing decode rows with up to
-        MAX_SPLIT_CHUNKS longer chunks runs as a decode graph plus a prefill graph per chunk (`_split_forward`)
-        instead of one eager forward."""
+        `prefill_buckets` (fast path on CUDA): the prefill graphs' row buckets (None: the runner's default)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
-        self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph", "prefill_graph", "split"
+        self.num_steps_by_path: Counter[str] = Counter()  # "plain", "fast", "graph", "prefill_graph"
         self.last_path = ""  # the path of the latest forward
         self.audio_only_steps = audio_only_steps
-        self.split_mixed_steps = split_mixed_steps
         self.num_audio_only_steps = 0  # forwards that skipped the text head
         self.fast = None
         self.graphs = None
@@ -256,70 +248,8 @@ class ModelRunner:
             return self.prefill_graphs.run(
                 inp.tokens, inp.is_audio, inp.positions, attn.slot_mapping, to_device(table, self.device), attn.seq_lens[0]
             )
-        if self.split_mixed_steps and self._splits(attn):
-            self._took("split")
-            self.num_audio_only_steps += not text
-            return self._split_forward(inp, text)
         self._took("fast")
         self.num_audio_only_steps += not text
         num_parts = self.fast.decode_num_parts(batch, max(attn.seq_lens)) if max(attn.query_lens) == 1 else 1
         step = StepInputs.from_metadata(inp.tokens, inp.is_audio, inp.positions, attn, num_parts=num_parts)
         return self.fast(step, self.kv_cache, text=text)
-
-    def _splits(self, attn: AttentionMetadata) -> bool:
-        """Whether a step the graphs do not take whole runs as graphs in parts (see `_split_forward`): its
-        one-row chunks fit a decode bucket and it has at most MAX_SPLIT_CHUNKS longer chunks, each of which
-        fits a prefill bucket."""
-        if self.prefill_graphs is None or self.graphs is None:
-            return False
-        decodes = sum(q == 1 for q in attn.query_lens)
-        chunks = len(attn.query_lens) - decodes
-        return (0 < chunks <= MAX_SPLIT_CHUNKS and decodes <= self.graphs.max_batch
-                and max(attn.query_lens) <= self.prefill_graphs.max_rows)
-
-    def _split_forward(self, inp: ModelInput, text: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """A mixed step as graph replays: its one-row chunks in one decode graph, then each longer chunk in a
-        prefill graph; the logits are gathered back into the step's sequence order. The sequences of a step
-        share no rows, so this computes what one eager forward over the whole batch does (up to the rounding
-        of other row counts) at the graphs' speed: eager, a 384-row prefill alone took 21.6 ms against
-        11.6 ms as a graph on the H200 (bench/results/prefill-buckets-h200/, docs/gpu.md)."""
-        attn = inp.attn
-        starts = [0]
-        for q in attn.query_lens:
-            starts.append(starts[-1] + q)
-        decodes = [i for i, q in enumerate(attn.query_lens) if q == 1]
-        chunks = [i for i, q in enumerate(attn.query_lens) if q > 1]
-        parts: list[tuple[list[int], tuple[torch.Tensor | None, torch.Tensor]]] = []
-        if decodes:
-            from runtime.fast_forward import padded_block_tables
-
-            rows = to_device(torch.tensor([starts[i] for i in decodes], dtype=torch.long), self.device)
-            seq_lens = torch.tensor([attn.seq_lens[i] for i in decodes], dtype=torch.int32)
-            parts.append((decodes, self.graphs.run(
-                inp.tokens.index_select(0, rows), inp.is_audio.index_select(0, rows),
-                inp.positions.index_select(0, rows), attn.slot_mapping.index_select(0, rows),
-                to_device(padded_block_tables([attn.block_tables[i] for i in decodes]), self.device),
-                to_device(seq_lens, self.device), text=text,
-            )))
-        for i in chunks:
-            lo, hi = starts[i], starts[i + 1]
-            table = to_device(torch.tensor(attn.block_tables[i], dtype=torch.int32), self.device)
-            text_logits, audio_logits = self.prefill_graphs.run(
-                inp.tokens[lo:hi], inp.is_audio[lo:hi], inp.positions[lo:hi], attn.slot_mapping[lo:hi], table,
-                attn.seq_lens[i])
-            # the prefill graphs share one memory pool: the next replay may reuse this output's memory
-            parts.append(([i], (text_logits.clone() if text else None, audio_logits.clone())))
-        num_seqs = len(attn.query_lens)
-        out: list[torch.Tensor | None] = []
-        for k in (0, 1):
-            if k == 0 and not text:
-                out.append(None)
-                continue
-            first = parts[0][1][k]
-            assert first is not None
-            gathered = first.new_empty(num_seqs, first.shape[1])
-            for seqs, logits in parts:
-                index = to_device(torch.tensor(seqs, dtype=torch.long), self.device)
-                gathered.index_copy_(0, index, logits[k])
-            out.append(gathered)
-        return out[0], out[1]  # type: ignore[return-value]

@@ -192,37 +192,6 @@ def test_fast_path_matches_reference(async_steps: bool) -> None:
     assert [r.num_decode_seqs for r in log if r.path == "graph"] == [r.num_seqs for r in log if r.path == "graph"]
 
 
-@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
-@pytest.mark.parametrize("split", [True, False])
-def test_mixed_steps_split_into_graph_parts_match_reference(async_steps: bool, split: bool) -> None:
-    """Prefill graphs exist on CUDA only; here a CPU runner (same padding, no capture) stands in. Steps that
-    mix decode rows with prompt chunks (a token budget of 8 splits the prompts) then run as a decode graph
-    plus a prefill graph per chunk ("split"), or with `split_mixed_steps=False` as one eager forward
-    ("fast"). Greedy rows equal the reference either way."""
-    from runtime.cuda_graph import PrefillGraphRunner
-
-    rng = random.Random(13)
-    requests = [
-        GenerationRequest(f"s{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY, max_new_tokens=5)
-        for i in range(3)
-    ]
-    core = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), engine_config(
-        fast_path=True, max_num_running=3, max_num_batched_tokens=8, async_scheduling=async_steps,
-        split_mixed_steps=split))
-    core.runner.prefill_graphs = PrefillGraphRunner(core.runner.fast, core.runner.kv_cache, max_model_len=64,
-                                                    buckets=(4, 8), use_graphs=False)
-    seqs, _ = run_core(core, {0: requests[:2], 2: requests[2:]})
-    reference = build_model(CONFIG, seed=0)
-    for request in requests:
-        assert generated(seqs[request.request_id]) == reference_rows(reference, request)[0], request.request_id
-    log = list(core.step_log)
-    paths = Counter(r.path for r in log)
-    mixed = [r for r in log if 0 < r.num_decode_seqs < r.num_seqs]
-    assert mixed and {r.path for r in mixed} == {"split" if split else "fast"}
-    assert paths["fast" if split else "split"] == 0 and paths["graph"] > 0
-    assert core.runner.num_steps_by_path == paths  # no step reran
-
-
 def test_audio_only_steps_skip_the_text_head_and_change_no_row() -> None:
     """A text-output request beside audio-output ones: while it runs, every step computes the text logits;
     after it ends (max_new_tokens 2), the audio-mode rows alone skip them. Rows and events are those of the
