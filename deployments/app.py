@@ -88,6 +88,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                  "urgent_buffer_s": args.vocoder_urgent_buffer_s,
                  "step_code_budget": args.vocoder_step_code_budget,
                  "urgent_step_code_budget": args.vocoder_urgent_step_code_budget,
-                 "fast_lane_code_budget": args.vocoder_fast_lane_code_budget}
+                 "fast_lane_code_budget": args.vocoder_fast_lane_code_budget,
+                 "background_yields_to_first": args.vocoder_background_yields_to_first}
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

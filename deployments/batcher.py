@@ -28,6 +28,10 @@ of its own, while lane 0's step runs: newcomers (their first chunk) and then lis
 `fast_lane_code_budget`. Newcomers then go only there, and sessions open there too, so neither waits for a
 large step in flight. A stream is in at most one step at a time; an aborted stream's session is closed
 only after the step that carries it. These steps are reported as "fast-first" and "fast-urgent".
+With `background_yields_to_first`, lane 0 starts no "background" step (every listener in it has at least
+`urgent_buffer_s` buffered) while a "fast-first" step runs: the newcomer's first chunk then shares the GPU
+with at most the lane-0 step already in flight, and the background listeners, who have audio to play, wait
+for it.
 
 A vocoder call that raises fails the streams it carried, not the loop: each gets a `VocoderStepError` on
 its queue instead of more PCM (its session is closed), and the other streams go on.
@@ -99,6 +103,7 @@ class VocoderBatcher:
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "deadline",
                  urgent_buffer_s: float = 0.5, step_code_budget: int = 256,
                  urgent_step_code_budget: int | None = None, fast_lane_code_budget: int | None = None,
+                 background_yields_to_first: bool = False,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -116,6 +121,8 @@ class VocoderBatcher:
                 raise ValueError("the fast lane needs policy 'deadline'")
             if getattr(vocoder, "num_lanes", 1) < 2:
                 raise ValueError("the fast lane needs a vocoder with a second lane (StreamingVocoder.add_lane)")
+        if background_yields_to_first and fast_lane_code_budget is None:
+            raise ValueError("background_yields_to_first needs the fast lane (fast_lane_code_budget)")
         self.vocoder = vocoder
         self.fast_lane_code_budget = fast_lane_code_budget
         self.max_batch_size = max_batch_size
@@ -124,6 +131,8 @@ class VocoderBatcher:
         self.urgent_buffer_s = urgent_buffer_s
         self.step_code_budget = step_code_budget  # "deadline": rows x chunk codes per step
         self.urgent_step_code_budget = urgent_step_code_budget  # the same while some listener is urgent
+        self.background_yields_to_first = background_yields_to_first
+        self._firsts_in_flight = 0  # fast-lane steps carrying a newcomer's first chunk, running now
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "fifo" | "finish", streams, s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._fast_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-fast")
@@ -241,6 +250,8 @@ class VocoderBatcher:
             self.num_open_sessions -= len(closable)
             did_work = True
         kind, ready = self.pick(time.monotonic())
+        if ready and kind == "background" and self.background_yields_to_first and self._firsts_in_flight:
+            ready = []  # left for after the newcomer's first chunk: that step's end wakes this loop
         if ready:
             await self._step(kind, ready, lane=0)
             did_work = True
@@ -289,6 +300,8 @@ class VocoderBatcher:
             stream.is_closed = True
             self._streams.remove(stream)
         self._in_flight.update(ready)
+        first = kind == "fast-first"
+        self._firsts_in_flight += first
         started = time.monotonic()
         wall = time.time()
         for stream in ready:
@@ -302,6 +315,7 @@ class VocoderBatcher:
             return
         finally:
             self._in_flight.difference_update(ready)
+            self._firsts_in_flight -= first
             if self._fast_executor is not None:
                 self._wake_all()  # its streams are free for the other lane again
         self.num_steps += 1

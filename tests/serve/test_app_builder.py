@@ -97,6 +97,8 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_fast_lane_code_budget": 32, "vocoder_batching": "fifo"},
      "vocoder_fast_lane_code_budget needs vocoder_batching: deadline"),
     ({"vocoder_fast_lane_code_budget": 0}, "greater than or equal to 1"),
+    ({"vocoder_background_yields_to_first": True},
+     "vocoder_background_yields_to_first needs vocoder_fast_lane_code_budget"),
 ])
 def test_bad_app_args_are_rejected(args: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:

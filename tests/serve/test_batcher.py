@@ -462,6 +462,9 @@ class LaneVocoder(ChunkVocoder):
         self.hold_lane0 = threading.Event()
         self.release = threading.Event()
         self.release.set()
+        self.hold_lane1 = threading.Event()  # likewise for lane 1's steps
+        self.release1 = threading.Event()
+        self.release1.set()
 
     def open(self, voice: str, *, seed: int = 0, lane: int = 0) -> Session:
         import threading
@@ -476,6 +479,8 @@ class LaneVocoder(ChunkVocoder):
         self.lanes.append(("step", lane, threading.current_thread().name))
         if lane == 0 and self.hold_lane0.is_set():
             assert self.release.wait(timeout=30)
+        if lane == 1 and self.hold_lane1.is_set():
+            assert self.release1.wait(timeout=30)
         return super().step(work, max_chunks=max_chunks, finish=finish)
 
 
@@ -486,6 +491,8 @@ def test_fast_lane_options_are_validated() -> None:
         VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=0)
     with pytest.raises(ValueError, match="second lane"):
         VocoderBatcher(ChunkVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=8)
+    with pytest.raises(ValueError, match="background_yields_to_first needs the fast lane"):
+        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, background_yields_to_first=True)
 
 
 def test_fast_lane_pick_takes_newcomers_and_urgent_listeners_within_its_budget() -> None:
@@ -552,6 +559,45 @@ def test_fast_lane_serves_a_newcomer_while_a_long_step_holds_lane_zero() -> None
         assert set(steps) == {(0, False), (1, True)}
         assert kinds[:3] == [("fast-first", 1), ("fast-first", 1), ("background", 1)]
         assert vocoder.closed == ["v-3"] and batcher.num_streams == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("yields", [True, False])
+def test_background_step_waits_for_a_newcomers_first_chunk_when_told(yields: bool) -> None:
+    """A listener with 1 s buffered (background) has a chunk ready while a newcomer's first chunk is held on
+    the fast lane: with `background_yields_to_first` lane 0 starts nothing until that step ends, then steps
+    the listener; without it, lane 0 steps the listener at once. Audio is the same either way."""
+    async def main() -> None:
+        vocoder = LaneVocoder()
+        kinds: list[str] = []
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=8, urgent_buffer_s=0.5,
+                                 fast_lane_code_budget=8, background_yields_to_first=yields,
+                                 on_step=lambda kind, n, seconds: kinds.append(kind))
+        old = await batcher.open("v", seed=1)
+        batcher.push(old, list(range(4)))  # first chunk: 2 codes x SAMPLES = 1 s of audio at 8 Hz
+        assert (await old.out.get()).tolist() == [0.0] * SAMPLES + [1.0] * SAMPLES
+        vocoder.hold_lane1.set()
+        vocoder.release1.clear()
+        new = await batcher.open("v", seed=2)
+        batcher.push(new, [50, 51, 52, 53])  # its first chunk, held on lane 1
+        while ("step", 1) not in [(call, lane) for call, lane, _ in vocoder.lanes[-1:]]:
+            await asyncio.sleep(0.01)
+        batcher.push(old, list(range(4, 9)))  # a 3-code chunk for a listener with ~1 s buffered
+        await asyncio.sleep(0.2)
+        lane0_steps = sum(1 for call, lane, _ in vocoder.lanes if (call, lane) == ("step", 0))
+        assert lane0_steps == (0 if yields else 1)
+        assert old.out.empty() == yields
+        vocoder.release1.set()
+        assert (await asyncio.wait_for(new.out.get(), timeout=10)).tolist() == [50.0] * SAMPLES + [51.0] * SAMPLES
+        second = await asyncio.wait_for(old.out.get(), timeout=10)
+        assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
+        assert kinds[:3] == (["fast-first", "fast-first", "background"] if yields
+                             else ["fast-first", "background", "fast-first"])
+        for stream in (old, new):
+            batcher.end(stream)
+        await asyncio.gather(drain(old.out), drain(new.out))
         await batcher.shutdown()
 
     asyncio.run(main())
