@@ -36,9 +36,11 @@ def emit(result: dict, out: Path | None) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
 
-def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> dict:
-    """Median / p10 / p90 of `reps` CUDA-event-timed calls after `warmup` untimed ones."""
-    timing = time_fn(fn, torch.device("cuda", torch.cuda.current_device()), warmup, reps)
+def time_ms(fn: Callable[[], object], warmup: int, reps: int, device: torch.device | None = None) -> dict:
+    """Median / p10 / p90 of `reps` timed calls after `warmup` untimed ones: CUDA events on a CUDA device (by
+    default the current one), wall clock on the CPU."""
+    timing = time_fn(fn, device if device is not None else torch.device("cuda", torch.cuda.current_device()),
+                     warmup, reps)
     samples = sorted(timing.samples_ms)
     return {"median_ms": round(timing.median_ms, 4), "p10_ms": round(samples[len(samples) // 10], 4),
             "p90_ms": round(timing.p90_ms, 4)}

@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import time_fn
-from bench.fast_tools import emit, log, logit_compare, make_rows, plain_inputs
+from bench.fast_tools import emit, log, logit_compare, make_rows, plain_inputs, time_ms
 from runtime.config import ModelConfig
 from runtime.cuda_graph import DEFAULT_PREFILL_BUCKETS, PrefillGraphRunner
 from runtime.fast_forward import FastForward
@@ -48,19 +47,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def time_ms(fn, device: torch.device, warmup: int, reps: int) -> dict:
-    """Median / p10 / p90 of `reps` timed calls (CUDA events on cuda) after `warmup` untimed ones."""
-    timing = time_fn(fn, device, warmup, reps)
-    samples = sorted(timing.samples_ms)
-    return {"median_ms": round(timing.median_ms, 4), "p10_ms": round(samples[len(samples) // 10], 4),
-            "p90_ms": round(timing.p90_ms, 4)}
-
-
 def matmul_tflops(device: torch.device, dtype: torch.dtype) -> float:
     """Rate of one large square product: the compute roofline of this run."""
     n = 8192
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    ms = time_ms(lambda: a @ b, device, 3, 20)["median_ms"]
+    ms = time_ms(lambda: a @ b, 3, 20, device)["median_ms"]
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
@@ -115,12 +106,12 @@ def main(argv: list[str]) -> dict:
                      "vs_plain": logit_compare(got, want)}
             if not (finite and shapes_ok):
                 raise SystemExit(f"{name} at {n} rows: finite={finite} shapes_ok={shapes_ok}")
-            t = time_ms(run, device, 3, args.reps)
+            t = time_ms(run, 3, args.reps, device)
             entry.update(t)
             if on_cuda:
                 entry["tflops"] = round(row["matmul_flops"] / (t["median_ms"] / 1e3) / 1e12, 1)
             row[name] = entry
-        plain = time_ms(functools.partial(model, tok, aud, pos, cache, attn), device, 2, max(3, args.reps // 4))
+        plain = time_ms(functools.partial(model, tok, aud, pos, cache, attn), 2, max(3, args.reps // 4), device)
         row["plain_eager"] = plain
         row["default_vs_doubling"] = round(row["doubling"]["median_ms"] / row["default"]["median_ms"], 3)
         log(f"{n} rows: doubling {row['doubling']['median_ms']} ms (bucket {row['doubling']['bucket']}), "
