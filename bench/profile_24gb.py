@@ -6,7 +6,7 @@ For bf16 weights and then FP8 weights ("all": layers and heads; bf16 matrices fr
 they are quantized): load the full shape (load peak reported; the allocator cache is emptied after
 loading), allocate the KV cache (bf16: 16k tokens; FP8: as many as fit beside the serving overhead
 measured with bf16 and the vocoder reserve), capture the decode graphs (buckets 1..64, max_model_len
-4096) and the prefill graphs (64..2048 rows, as the engine does), run a 2048-row prefill chunk and a decode step, and report the serving peak and what is left
+4096) and the prefill graphs (the engine's default buckets, 64..2048 rows), run a 2048-row prefill chunk and a decode step, and report the serving peak and what is left
 for the vocoder. Prints one JSON line.
 """
 from __future__ import annotations
