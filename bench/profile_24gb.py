@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.config import ModelConfig
-from runtime.cuda_graph import DecodeGraphRunner, PrefillGraphRunner
+from runtime.cuda_graph import DEFAULT_PREFILL_BUCKETS, DecodeGraphRunner, PrefillGraphRunner
 from runtime.fast_forward import FastForward
 from runtime.fused import fuse_model_weights, quantize_model_in_place
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -35,7 +35,8 @@ CHUNK = 2048
 MARGIN = GIB // 2  # FP8 serving overhead measured 0.3 GiB above bf16's (FP8 GEMV autotune, scaled_mm pads)
 
 
-def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: int | None) -> dict:
+def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: int | None,
+        prefill_buckets: list[int] | None = None) -> dict:
     device = torch.device("cuda")
     config = ModelConfig.preset("full")
     torch.cuda.reset_peak_memory_stats()
@@ -55,7 +56,8 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     fast = FastForward(weights)
     runner = DecodeGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN, buckets=BUCKETS)
     runner.capture()
-    prefill = PrefillGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN)  # buckets 64..2048, as the engine
+    prefill = PrefillGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN,  # the engine's buckets by default
+                                 **({"buckets": prefill_buckets} if prefill_buckets else {}))
     prefill.capture()
     # one chunked-prefill-sized step (CHUNK rows of one sequence) and one decode step after it
     n = CHUNK
@@ -88,18 +90,21 @@ def main() -> None:
     p.add_argument("--budget-gib", type=float, default=24.0)
     p.add_argument("--vocoder-gib", type=float, default=2.0)
     p.add_argument("--bf16-kv-tokens", type=int, default=16384)
+    p.add_argument("--prefill-buckets", default="", help="comma-separated row buckets (default: the engine's)")
     args = p.parse_args()
+    prefill_buckets = [int(b) for b in args.prefill_buckets.split(",") if b]
     total = torch.cuda.get_device_properties(0).total_memory
     budget = int(args.budget_gib * GIB)
     torch.cuda.set_per_process_memory_fraction(budget / total)
     vocoder = int(args.vocoder_gib * GIB)
     result: dict = {"budget_gib": args.budget_gib, "vocoder_reserve_gib": args.vocoder_gib,
-                    "buckets": list(BUCKETS), "max_model_len": MAX_MODEL_LEN, "prefill_chunk": CHUNK}
+                    "buckets": list(BUCKETS), "max_model_len": MAX_MODEL_LEN, "prefill_chunk": CHUNK,
+                    "prefill_buckets": prefill_buckets or list(DEFAULT_PREFILL_BUCKETS)}
     runs = []
     for mode, tokens in (("bf16", args.bf16_kv_tokens), ("fp8", None)):
         try:
             overhead = None if not runs or "overhead_gib" not in runs[0] else int(runs[0]["overhead_gib"] * GIB)
-            runs.append(run(mode, budget, tokens, vocoder, overhead))
+            runs.append(run(mode, budget, tokens, vocoder, overhead, prefill_buckets))
         except torch.OutOfMemoryError as exc:
             runs.append({"weights": mode, "error": f"out of memory: {str(exc)[:300]}"})
             torch.cuda.empty_cache()
