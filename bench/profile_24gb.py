@@ -57,7 +57,7 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     runner = DecodeGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN, buckets=BUCKETS)
     runner.capture()
     prefill = PrefillGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN,  # the engine's buckets by default
-                                 **({"buckets": prefill_buckets} if prefill_buckets else {}))
+                                 buckets=prefill_buckets)
     prefill.capture()
     # one chunked-prefill-sized step (CHUNK rows of one sequence) and one decode step after it
     n = CHUNK
@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--bf16-kv-tokens", type=int, default=16384)
     p.add_argument("--prefill-buckets", default="", help="comma-separated row buckets (default: the engine's)")
     args = p.parse_args()
-    prefill_buckets = [int(b) for b in args.prefill_buckets.split(",") if b]
+    prefill_buckets = [int(b) for b in args.prefill_buckets.split(",") if b] or None
     total = torch.cuda.get_device_properties(0).total_memory
     budget = int(args.budget_gib * GIB)
     torch.cuda.set_per_process_memory_fraction(budget / total)

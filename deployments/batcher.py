@@ -132,7 +132,6 @@ class VocoderBatcher:
         self.step_code_budget = step_code_budget  # "deadline": rows x chunk codes per step
         self.urgent_step_code_budget = urgent_step_code_budget  # the same while some listener is urgent
         self.background_yields_to_first = background_yields_to_first
-        self._firsts_in_flight = 0  # fast-lane steps carrying a newcomer's first chunk, running now
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "fifo" | "finish", streams, s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._fast_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-fast")
@@ -250,7 +249,7 @@ class VocoderBatcher:
             self.num_open_sessions -= len(closable)
             did_work = True
         kind, ready = self.pick(time.monotonic())
-        if ready and kind == "background" and self.background_yields_to_first and self._firsts_in_flight:
+        if ready and kind == "background" and self.background_yields_to_first and self._first_in_flight():
             ready = []  # left for after the newcomer's first chunk: that step's end wakes this loop
         if ready:
             await self._step(kind, ready, lane=0)
@@ -300,8 +299,6 @@ class VocoderBatcher:
             stream.is_closed = True
             self._streams.remove(stream)
         self._in_flight.update(ready)
-        first = kind == "fast-first"
-        self._firsts_in_flight += first
         started = time.monotonic()
         wall = time.time()
         for stream in ready:
@@ -315,7 +312,6 @@ class VocoderBatcher:
             return
         finally:
             self._in_flight.difference_update(ready)
-            self._firsts_in_flight -= first
             if self._fast_executor is not None:
                 self._wake_all()  # its streams are free for the other lane again
         self.num_steps += 1
@@ -325,6 +321,11 @@ class VocoderBatcher:
             self._deliver(stream, pcm)
         for stream in ending:
             stream.out.put_nowait(END)
+
+    def _first_in_flight(self) -> bool:
+        """Whether a step carrying a newcomer's first chunk runs now (with the fast lane, a "fast-first" one:
+        newcomers go only there, and lead every step they are in)."""
+        return any(s.first_pcm_at is None for s in self._in_flight)
 
     def _ends_now(self, stream: BatchedStream) -> bool:
         """"deadline": the stream has no more codes coming and none of its scheduled chunks is left."""

@@ -238,12 +238,13 @@ class PrefillGraphRunner:
 
     def __init__(
         self, forward: FastForward, kv_cache: KVCache, *, max_model_len: int,
-        buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, use_graphs: bool | None = None,
+        buckets: Sequence[int] | None = None, use_graphs: bool | None = None,
     ) -> None:
+        """`buckets`: row counts to capture (None: DEFAULT_PREFILL_BUCKETS)."""
         self.forward = forward
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
-        self.buckets = sorted({int(b) for b in buckets})
+        self.buckets = sorted({int(b) for b in (DEFAULT_PREFILL_BUCKETS if buckets is None else buckets)})
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.max_blocks = max_blocks_for(max_model_len, kv_cache.block_size)
         largest, dev = self.buckets[-1], self.device

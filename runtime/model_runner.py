@@ -112,9 +112,8 @@ class ModelRunner:
                                             audio_only=audio_only_steps)
             self.graphs.capture()  # no-op off CUDA
             if self.device.type == "cuda":  # off CUDA the plain fast call is simpler than padding
-                self.prefill_graphs = PrefillGraphRunner(
-                    self.fast, kv_cache, max_model_len=max_model_len,
-                    **({} if prefill_buckets is None else {"buckets": prefill_buckets}))
+                self.prefill_graphs = PrefillGraphRunner(self.fast, kv_cache, max_model_len=max_model_len,
+                                                         buckets=prefill_buckets)
                 self.prefill_graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
