@@ -138,7 +138,8 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                         "vocoder_chunk_schedule_codes", "vocoder_light_load_schedule_codes",
                         "vocoder_light_load_max_sessions", "vocoder_urgent_buffer_s", "vocoder_batching",
                         "vocoder_step_code_budget", "vocoder_urgent_step_code_budget",
-                        "vocoder_fast_lane_code_budget", "vocoder_background_yields_to_first")}
+                        "vocoder_fast_lane_code_budget", "vocoder_background_yield",
+                        "vocoder_yield_max_s")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -167,7 +168,7 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     max_batch = vocoder_kwargs.pop("max_batch_size", 32)
     batcher_options = {k: vocoder_kwargs.pop(k)
                        for k in ("urgent_buffer_s", "step_code_budget", "urgent_step_code_budget",
-                                 "background_yields_to_first")
+                                 "background_yield", "yield_max_s")
                        if k in vocoder_kwargs}
     if "batching" in vocoder_kwargs:
         batcher_options["policy"] = vocoder_kwargs.pop("batching")

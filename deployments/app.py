@@ -89,6 +89,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                  "step_code_budget": args.vocoder_step_code_budget,
                  "urgent_step_code_budget": args.vocoder_urgent_step_code_budget,
                  "fast_lane_code_budget": args.vocoder_fast_lane_code_budget,
-                 "background_yields_to_first": args.vocoder_background_yields_to_first}
+                 "background_yield": args.vocoder_background_yield,
+                 "yield_max_s": args.vocoder_yield_max_s}
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

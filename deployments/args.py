@@ -97,8 +97,11 @@ class AppArgs(BaseModel):
     # while the main step runs, instead of after it. None: one lane.
     vocoder_fast_lane_code_budget: int | None = Field(default=None, ge=1)
     # With the fast lane: the main lane starts no background step (every listener in it has at least
-    # `vocoder_urgent_buffer_s` buffered) while a newcomer's first chunk is computed (deployments/batcher.py).
-    vocoder_background_yields_to_first: bool = False
+    # `vocoder_urgent_buffer_s` buffered) while a newcomer's first chunk is computed ("first_chunk"), or
+    # also while a newcomer waits for its first chunk's codes, for at most `vocoder_yield_max_s` from its
+    # session's opening ("newcomer"; deployments/batcher.py).
+    vocoder_background_yield: Literal["off", "first_chunk", "newcomer"] = "off"
+    vocoder_yield_max_s: float = Field(default=0.3, gt=0)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
     # costs ~0.2-1 ms of CPU: one item per decode step per stream saturates a replica at a few thousand
@@ -149,8 +152,8 @@ class AppArgs(BaseModel):
             raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
         if self.vocoder_fast_lane_code_budget is not None and self.vocoder_batching != "deadline":
             raise ValueError("vocoder_fast_lane_code_budget needs vocoder_batching: deadline")
-        if self.vocoder_background_yields_to_first and self.vocoder_fast_lane_code_budget is None:
-            raise ValueError("vocoder_background_yields_to_first needs vocoder_fast_lane_code_budget")
+        if self.vocoder_background_yield != "off" and self.vocoder_fast_lane_code_budget is None:
+            raise ValueError("vocoder_background_yield needs vocoder_fast_lane_code_budget")
         urgent = self.vocoder_urgent_step_code_budget
         if urgent is not None and urgent < self.vocoder_step_code_budget:
             raise ValueError(f"vocoder_urgent_step_code_budget ({urgent}) must be at least "

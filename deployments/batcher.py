@@ -28,10 +28,15 @@ of its own, while lane 0's step runs: newcomers (their first chunk) and then lis
 `fast_lane_code_budget`. Newcomers then go only there, and sessions open there too, so neither waits for a
 large step in flight. A stream is in at most one step at a time; an aborted stream's session is closed
 only after the step that carries it. These steps are reported as "fast-first" and "fast-urgent".
-With `background_yields_to_first`, lane 0 starts no "background" step (every listener in it has at least
-`urgent_buffer_s` buffered) while a "fast-first" step runs: the newcomer's first chunk then shares the GPU
-with at most the lane-0 step already in flight, and the background listeners, who have audio to play, wait
-for it.
+`background_yield` (needs the fast lane) holds lane 0's "background" steps (every listener in one has at
+least `urgent_buffer_s` buffered, so it can wait) for newcomers:
+- "first_chunk": while a "fast-first" step runs, so that the newcomer's first chunk shares the GPU with at
+  most the lane-0 step already in flight;
+- "newcomer": also while a newcomer waits for the codes of its first chunk (from its session's opening, at
+  most `yield_max_s`), so the LLM computes those codes with less of the GPU taken by the vocoder.
+While it holds, the loop wakes itself when the least buffered held listener would turn urgent or the
+newcomer's hold expires, so a held listener never waits for an event that may not come. "off" holds
+nothing.
 
 A vocoder call that raises fails the streams it carried, not the loop: each gets a `VocoderStepError` on
 its queue instead of more PCM (its session is closed), and the other streams go on.
@@ -55,6 +60,7 @@ import numpy as np
 
 END = None  # put on a stream's queue after its last PCM chunk
 POLICIES = ("deadline", "fifo")
+YIELDS = ("off", "first_chunk", "newcomer")  # `background_yield` settings
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,7 @@ class BatchedStream:
         self.is_aborted = False  # closed by `close`: its output is dropped
         self.num_codes = 0
         self.num_samples = 0
+        self.opened_at = time.monotonic()
         self.first_pcm_at: float | None = None
         # Timeline marks (wall clock, deployments/timeline.py): the step that made the first PCM, when it
         # started and how many codes the stream had by then, and when that PCM reached the event loop.
@@ -103,7 +110,7 @@ class VocoderBatcher:
     def __init__(self, vocoder: Any, *, max_batch_size: int, sample_rate: int, policy: str = "deadline",
                  urgent_buffer_s: float = 0.5, step_code_budget: int = 256,
                  urgent_step_code_budget: int | None = None, fast_lane_code_budget: int | None = None,
-                 background_yields_to_first: bool = False,
+                 background_yield: str = "off", yield_max_s: float = 0.3,
                  on_step: Callable[[str, int, float], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -121,8 +128,12 @@ class VocoderBatcher:
                 raise ValueError("the fast lane needs policy 'deadline'")
             if getattr(vocoder, "num_lanes", 1) < 2:
                 raise ValueError("the fast lane needs a vocoder with a second lane (StreamingVocoder.add_lane)")
-        if background_yields_to_first and fast_lane_code_budget is None:
-            raise ValueError("background_yields_to_first needs the fast lane (fast_lane_code_budget)")
+        if background_yield not in YIELDS:
+            raise ValueError(f"background_yield must be one of {YIELDS}, got {background_yield!r}")
+        if background_yield != "off" and fast_lane_code_budget is None:
+            raise ValueError("background_yield needs the fast lane (fast_lane_code_budget)")
+        if not yield_max_s > 0:
+            raise ValueError(f"yield_max_s must be > 0, got {yield_max_s}")
         self.vocoder = vocoder
         self.fast_lane_code_budget = fast_lane_code_budget
         self.max_batch_size = max_batch_size
@@ -131,7 +142,9 @@ class VocoderBatcher:
         self.urgent_buffer_s = urgent_buffer_s
         self.step_code_budget = step_code_budget  # "deadline": rows x chunk codes per step
         self.urgent_step_code_budget = urgent_step_code_budget  # the same while some listener is urgent
-        self.background_yields_to_first = background_yields_to_first
+        self.background_yield = background_yield
+        self.yield_max_s = yield_max_s  # "newcomer": the longest a newcomer waiting for codes holds lane 0
+        self._timed_wake: asyncio.TimerHandle | None = None
         self._on_step = on_step  # (kind: "first" | "urgent" | "background" | "fifo" | "finish", streams, s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._fast_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-fast")
@@ -248,9 +261,14 @@ class VocoderBatcher:
             await self._call(lambda: [self.vocoder.close(session) for session in closable])
             self.num_open_sessions -= len(closable)
             did_work = True
-        kind, ready = self.pick(time.monotonic())
-        if ready and kind == "background" and self.background_yields_to_first and self._first_in_flight():
-            ready = []  # left for after the newcomer's first chunk: that step's end wakes this loop
+        now = time.monotonic()
+        kind, ready = self.pick(now)
+        if ready and kind == "background" and (hold_s := self._yield_s(now)) > 0:
+            # left for after the newcomer's first chunk (that step's end, or a push, wakes this loop) or
+            # until the least buffered of them turns urgent, whichever comes first
+            urgent_in = ready[0].buffer_s(now, self.sample_rate) - self.urgent_buffer_s
+            self._wake_in(min(hold_s, urgent_in))
+            ready = []
         if ready:
             await self._step(kind, ready, lane=0)
             did_work = True
@@ -322,10 +340,25 @@ class VocoderBatcher:
         for stream in ending:
             stream.out.put_nowait(END)
 
-    def _first_in_flight(self) -> bool:
-        """Whether a step carrying a newcomer's first chunk runs now (with the fast lane, a "fast-first" one:
-        newcomers go only there, and lead every step they are in)."""
-        return any(s.first_pcm_at is None for s in self._in_flight)
+    def _yield_s(self, now: float) -> float:
+        """How long lane 0 should still hold background steps for newcomers (`background_yield`); 0: not.
+        A first chunk in flight holds until its step ends (which wakes the loop): reported as
+        `yield_max_s`, the timed wake's fallback."""
+        if self.background_yield == "off":
+            return 0.0
+        # with the fast lane, a "fast-first" step carries every first chunk in flight
+        if any(s.first_pcm_at is None for s in self._in_flight):
+            return self.yield_max_s
+        if self.background_yield == "first_chunk":
+            return 0.0
+        return max((self.yield_max_s - (now - s.opened_at) for s in self._streams
+                    if s.first_pcm_at is None and not s.is_closed), default=0.0)
+
+    def _wake_in(self, delay_s: float) -> None:
+        """Wake lane 0 after `delay_s` (at least 1 ms), replacing the wake set before."""
+        if self._timed_wake is not None:
+            self._timed_wake.cancel()
+        self._timed_wake = asyncio.get_running_loop().call_later(max(delay_s, 0.001), self._wake.set)
 
     def _ends_now(self, stream: BatchedStream) -> bool:
         """"deadline": the stream has no more codes coming and none of its scheduled chunks is left."""
@@ -401,6 +434,8 @@ class VocoderBatcher:
 
     async def shutdown(self) -> None:
         """Stop the loops and the worker threads."""
+        if self._timed_wake is not None:
+            self._timed_wake.cancel()
         for task in (self._task, self._fast_task):
             if task is not None:
                 task.cancel()

@@ -34,7 +34,7 @@ class VocoderServer:
     async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any,
                        streaming: dict[str, Any] | None = None) -> None:
         """`streaming`: `codes_batch_s`, `policy`, `urgent_buffer_s`, `step_code_budget`, `urgent_step_code_budget`,
-        `fast_lane_code_budget`, `background_yields_to_first` (AppArgs)."""
+        `fast_lane_code_budget`, `background_yield`, `yield_max_s` (AppArgs)."""
         from vocoder.config import SAMPLE_RATE
         from vocoder.streaming import build_for_serving
 

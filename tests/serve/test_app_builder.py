@@ -97,8 +97,10 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_fast_lane_code_budget": 32, "vocoder_batching": "fifo"},
      "vocoder_fast_lane_code_budget needs vocoder_batching: deadline"),
     ({"vocoder_fast_lane_code_budget": 0}, "greater than or equal to 1"),
-    ({"vocoder_background_yields_to_first": True},
-     "vocoder_background_yields_to_first needs vocoder_fast_lane_code_budget"),
+    ({"vocoder_background_yield": "first_chunk"}, "vocoder_background_yield needs vocoder_fast_lane_code_budget"),
+    ({"vocoder_background_yield": "always", "vocoder_fast_lane_code_budget": 32},
+     "Input should be 'off', 'first_chunk' or 'newcomer'"),
+    ({"vocoder_yield_max_s": 0}, "greater than 0"),
 ])
 def test_bad_app_args_are_rejected(args: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from deployments.batcher import END, VocoderBatcher, VocoderStepError
+from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepError
 
 SAMPLES = 4  # per code, for the double
 LOOKAHEAD = 2
@@ -491,8 +492,14 @@ def test_fast_lane_options_are_validated() -> None:
         VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=0)
     with pytest.raises(ValueError, match="second lane"):
         VocoderBatcher(ChunkVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=8)
-    with pytest.raises(ValueError, match="background_yields_to_first needs the fast lane"):
-        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, background_yields_to_first=True)
+    with pytest.raises(ValueError, match="background_yield needs the fast lane"):
+        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, background_yield="newcomer")
+    with pytest.raises(ValueError, match="background_yield must be one of"):
+        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=8,
+                       background_yield="on")
+    with pytest.raises(ValueError, match="yield_max_s must be > 0"):
+        VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=8,
+                       background_yield="newcomer", yield_max_s=0.0)
 
 
 def test_fast_lane_pick_takes_newcomers_and_urgent_listeners_within_its_budget() -> None:
@@ -564,16 +571,16 @@ def test_fast_lane_serves_a_newcomer_while_a_long_step_holds_lane_zero() -> None
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("yields", [True, False])
-def test_background_step_waits_for_a_newcomers_first_chunk_when_told(yields: bool) -> None:
+@pytest.mark.parametrize("mode", ["first_chunk", "newcomer", "off"])
+def test_background_step_waits_for_a_newcomers_first_chunk_when_told(mode: str) -> None:
     """A listener with 1 s buffered (background) has a chunk ready while a newcomer's first chunk is held on
-    the fast lane: with `background_yields_to_first` lane 0 starts nothing until that step ends, then steps
-    the listener; without it, lane 0 steps the listener at once. Audio is the same either way."""
+    the fast lane: with `background_yield` "first_chunk" or "newcomer" lane 0 starts nothing until that step
+    ends, then steps the listener; with "off", lane 0 steps the listener at once. Audio is the same."""
     async def main() -> None:
         vocoder = LaneVocoder()
         kinds: list[str] = []
         batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=8, urgent_buffer_s=0.5,
-                                 fast_lane_code_budget=8, background_yields_to_first=yields,
+                                 fast_lane_code_budget=8, background_yield=mode, yield_max_s=30.0,
                                  on_step=lambda kind, n, seconds: kinds.append(kind))
         old = await batcher.open("v", seed=1)
         batcher.push(old, list(range(4)))  # first chunk: 2 codes x SAMPLES = 1 s of audio at 8 Hz
@@ -586,18 +593,93 @@ def test_background_step_waits_for_a_newcomers_first_chunk_when_told(yields: boo
             await asyncio.sleep(0.01)
         batcher.push(old, list(range(4, 9)))  # a 3-code chunk for a listener with ~1 s buffered
         await asyncio.sleep(0.2)
+        held = mode != "off"
         lane0_steps = sum(1 for call, lane, _ in vocoder.lanes if (call, lane) == ("step", 0))
-        assert lane0_steps == (0 if yields else 1)
-        assert old.out.empty() == yields
+        assert lane0_steps == (0 if held else 1)
+        assert old.out.empty() == held
         vocoder.release1.set()
         assert (await asyncio.wait_for(new.out.get(), timeout=10)).tolist() == [50.0] * SAMPLES + [51.0] * SAMPLES
         second = await asyncio.wait_for(old.out.get(), timeout=10)
         assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
-        assert kinds[:3] == (["fast-first", "fast-first", "background"] if yields
+        assert kinds[:3] == (["fast-first", "fast-first", "background"] if held
                              else ["fast-first", "background", "fast-first"])
         for stream in (old, new):
             batcher.end(stream)
         await asyncio.gather(drain(old.out), drain(new.out))
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+async def _listener_and_silent_newcomer(mode: str, **options: float) -> tuple[VocoderBatcher, LaneVocoder,
+                                                                               list[str], BatchedStream,
+                                                                               BatchedStream]:
+    """A listener that has played its 1 s first chunk (at 8 Hz) and has its next chunk's codes pending, and
+    a newcomer whose session is open but whose codes have not come."""
+    vocoder = LaneVocoder()
+    kinds: list[str] = []
+    batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=8, fast_lane_code_budget=8,
+                             background_yield=mode, on_step=lambda kind, n, seconds: kinds.append(kind),
+                             **options)
+    old = await batcher.open("v", seed=1)
+    batcher.push(old, list(range(4)))
+    assert (await old.out.get()).tolist() == [0.0] * SAMPLES + [1.0] * SAMPLES
+    new = await batcher.open("v", seed=2)
+    batcher.push(old, list(range(4, 9)))  # a 3-code chunk for a listener with ~1 s buffered
+    return batcher, vocoder, kinds, old, new
+
+
+@pytest.mark.parametrize("mode", ["newcomer", "first_chunk"])
+def test_newcomer_mode_holds_background_steps_while_a_newcomer_waits_for_codes(mode: str) -> None:
+    """"newcomer": the listener's background step waits while the newcomer has no codes, and runs right after
+    the newcomer's first chunk (its step's end wakes lane 0; the 30 s hold never expires here).
+    "first_chunk": it runs at once, before the newcomer's codes arrive."""
+    async def main() -> None:
+        batcher, _vocoder, kinds, old, new = await _listener_and_silent_newcomer(
+            mode, urgent_buffer_s=0.5, yield_max_s=30.0)
+        await asyncio.sleep(0.2)
+        held = mode == "newcomer"
+        assert kinds == (["fast-first"] if held else ["fast-first", "background"])
+        assert old.out.empty() == held
+        batcher.push(new, [50, 51, 52, 53])
+        assert (await asyncio.wait_for(new.out.get(), timeout=10)).tolist() == [50.0] * SAMPLES + [51.0] * SAMPLES
+        second = await asyncio.wait_for(old.out.get(), timeout=10)
+        assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
+        assert kinds == (["fast-first", "fast-first", "background"] if held
+                         else ["fast-first", "background", "fast-first"])
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_newcomer_hold_ends_by_itself_when_it_expires() -> None:
+    """The newcomer never sends codes and nothing else happens: lane 0 steps the listener on its own once
+    `yield_max_s` has passed since the newcomer's session opened, as a background step (the listener, with
+    0 s `urgent_buffer_s`, never turns urgent)."""
+    async def main() -> None:
+        batcher, _vocoder, kinds, old, new = await _listener_and_silent_newcomer(
+            "newcomer", urgent_buffer_s=0.0, yield_max_s=0.5)
+        second = await asyncio.wait_for(old.out.get(), timeout=10)
+        assert time.monotonic() - new.opened_at >= 0.5
+        assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
+        assert kinds == ["fast-first", "background"]
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_held_listener_is_stepped_when_it_turns_urgent() -> None:
+    """The newcomer's hold would last 30 s, but the held listener (1 s buffered at its first PCM) turns
+    urgent 0.5 s later: lane 0 wakes itself then and steps it as an urgent step, which no hold delays."""
+    async def main() -> None:
+        batcher, vocoder, kinds, old, _new = await _listener_and_silent_newcomer(
+            "newcomer", urgent_buffer_s=0.5, yield_max_s=30.0)
+        second = await asyncio.wait_for(old.out.get(), timeout=10)
+        assert time.monotonic() - old.first_pcm_at >= 0.5
+        assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
+        assert kinds == ["fast-first", "urgent"]
+        lanes = [lane for call, lane, _ in vocoder.lanes if call == "step"]
+        assert lanes == [1, 0]
         await batcher.shutdown()
 
     asyncio.run(main())
