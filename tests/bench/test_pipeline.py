@@ -131,7 +131,7 @@ def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_setti
                        "warmup_rows": [1, 2, 4, 8, 16, 32, 48, 64], "reserved_sessions": 1024,
                        "chunk_schedule_codes": [4, 5, 10, 25], "light_load_schedule_codes": [2, 3, 5, 10, 25],
                        "urgent_buffer_s": 0.5, "batching": "deadline",
-                       "step_code_budget": 512, "fast_lane_code_budget": 32, "background_yield": "first_chunk"}
+                       "step_code_budget": 512, "fast_lane_code_budget": 32, "background_yield": "newcomer"}
 
 
 def test_pipeline_passes_ramp_and_listen_to_the_closed_loop(monkeypatch: pytest.MonkeyPatch) -> None:
