@@ -143,12 +143,29 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
     return dict(args.get("engine", {})), vocoder
 
 
+def split_vocoder_settings(vocoder_kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Take the batcher's settings out of `vocoder_kwargs` (what is left builds the vocoder, as the vocoder
+    deployment does) -> (max batch size, VocoderBatcher options)."""
+    max_batch = vocoder_kwargs.pop("max_batch_size", 32)
+    batcher_options = {k: vocoder_kwargs.pop(k)
+                       for k in ("urgent_buffer_s", "step_code_budget", "urgent_step_code_budget",
+                                 "background_yield", "yield_max_s")
+                       if k in vocoder_kwargs}
+    if "batching" in vocoder_kwargs:
+        batcher_options["policy"] = vocoder_kwargs.pop("batching")
+    if vocoder_kwargs.get("fast_lane_code_budget") is not None:  # the vocoder's second lane, the batcher's loop
+        batcher_options["fast_lane_code_budget"] = vocoder_kwargs["fast_lane_code_budget"]
+    return max_batch, batcher_options
+
+
 def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     """Engine + vocoder from the config file, then the command-line overrides -> (pipeline, settings)."""
     from runtime.engine import Engine, EngineConfig
     from vocoder.streaming import build_for_serving
 
     engine_kwargs, vocoder_kwargs = settings_from_config(args.config)
+    # the replicas' memory caps split one card between two processes; here both share one process
+    engine_kwargs.pop("memory_cap_bytes", None)
     if args.checkpoint:
         engine_kwargs["model"] = args.checkpoint
     elif args.preset:
@@ -165,15 +182,7 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
         vocoder_kwargs["preset"] = args.vocoder_preset
     if args.device is not None:
         vocoder_kwargs["device"] = args.device
-    max_batch = vocoder_kwargs.pop("max_batch_size", 32)
-    batcher_options = {k: vocoder_kwargs.pop(k)
-                       for k in ("urgent_buffer_s", "step_code_budget", "urgent_step_code_budget",
-                                 "background_yield", "yield_max_s")
-                       if k in vocoder_kwargs}
-    if "batching" in vocoder_kwargs:
-        batcher_options["policy"] = vocoder_kwargs.pop("batching")
-    if vocoder_kwargs.get("fast_lane_code_budget") is not None:  # the vocoder's second lane, the batcher's loop
-        batcher_options["fast_lane_code_budget"] = vocoder_kwargs["fast_lane_code_budget"]
+    max_batch, batcher_options = split_vocoder_settings(vocoder_kwargs)
     loaded = time.perf_counter()
     engine = Engine.from_config(EngineConfig(**engine_kwargs))
     vocoder, warm = build_for_serving(**vocoder_kwargs)  # as deployments/vocoder_server.py builds it

@@ -79,6 +79,9 @@ class AppArgs(BaseModel):
     # The vocoder's Triton kernels (fused BigVGAN activation, chunk attention; vocoder/kernels/).
     # None: on wherever CUDA and Triton are present; false forces the bigvgan package's modules and SDPA.
     vocoder_triton_kernels: bool | None = None
+    # CUDA only: the most device memory the vocoder replica's PyTorch allocator may hold, set before it builds
+    # anything (runtime/device_memory.py; the LLM's is `engine.memory_cap_bytes`). For a card both share.
+    vocoder_memory_cap_bytes: int | None = Field(default=None, ge=1)
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
     # Vocoder scheduling (deployments/batcher.py). "deadline": one chunk per stream per step, newcomers
@@ -152,6 +155,8 @@ class AppArgs(BaseModel):
             raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
         if self.vocoder_fast_lane_code_budget is not None and self.vocoder_batching != "deadline":
             raise ValueError("vocoder_fast_lane_code_budget needs vocoder_batching: deadline")
+        if self.vocoder_memory_cap_bytes is not None and not self.vocoder_device.startswith("cuda"):
+            raise ValueError(f"vocoder_memory_cap_bytes needs vocoder_device cuda, got {self.vocoder_device!r}")
         if self.vocoder_background_yield != "off" and self.vocoder_fast_lane_code_budget is None:
             raise ValueError("vocoder_background_yield needs vocoder_fast_lane_code_budget")
         urgent = self.vocoder_urgent_step_code_budget

@@ -119,10 +119,13 @@ class LLMServer:
 
     def stats(self) -> dict[str, Any]:
         """Engine stats as a dict (for /admin/stats and tests)."""
+        from runtime.device_memory import memory_stats
+
         stats = self._engine.stats()
-        return {name: getattr(stats, name) for name in (
+        return {**{name: getattr(stats, name) for name in (
             "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_free",
-            "prefix_cache_queries", "prefix_cache_hits")}
+            "prefix_cache_queries", "prefix_cache_hits")},
+            "device_memory": memory_stats(self._engine.config.device)}  # None off CUDA
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (see deployments.autoscaling:llm_policy)."""

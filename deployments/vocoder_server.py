@@ -65,9 +65,12 @@ class VocoderServer:
         return sorted(self._vocoder.voices.names())
 
     def stats(self) -> dict[str, Any]:
-        """Counts for /admin/stats and tests."""
+        """Counts for /admin/stats and tests, and the allocator's bytes on CUDA (None elsewhere)."""
+        from runtime.device_memory import memory_stats
+
         return {"active_streams": self._num_active, "open_sessions": self._vocoder.num_open_sessions,
-                "batched_streams": self._batcher.num_streams, "num_steps": self._batcher.num_steps}
+                "batched_streams": self._batcher.num_streams, "num_steps": self._batcher.num_steps,
+                "device_memory": memory_stats(self._vocoder.device)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (see deployments.autoscaling:vocoder_policy)."""

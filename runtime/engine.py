@@ -22,6 +22,7 @@ from torch import nn
 
 from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
+from runtime.device_memory import cap_device_memory, capped_free_bytes
 from runtime.errors import EngineError, InvalidRequestError
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
@@ -63,7 +64,7 @@ class EngineConfig:
     dtype: str | None = None  # float32 on cpu, bfloat16 on cuda
     block_size: int = 16
     kv_cache_bytes: int | None = None  # wins over the fraction when given
-    kv_cache_memory_fraction: float = 0.5  # of the device memory free after loading the weights
+    kv_cache_memory_fraction: float = 0.5  # of the device memory free after loading the weights (or left under the cap)
     max_num_running: int = 64
     max_num_waiting: int = 256
     max_num_batched_tokens: int = 2048
@@ -92,6 +93,9 @@ class EngineConfig:
     # Fast path on CUDA: row buckets of the one-sequence prefill graphs (None: runtime.cuda_graph's
     # DEFAULT_PREFILL_BUCKETS). A chunk runs padded to the smallest bucket that holds it; longer ones run eagerly.
     prefill_buckets: tuple[int, ...] | None = None
+    # CUDA only: the most device memory this process's PyTorch allocator may hold, set before the weights load
+    # (runtime/device_memory.py; for a card shared with the vocoder). None: no cap.
+    memory_cap_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -102,6 +106,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.memory_cap_bytes is not None:
+            if self.memory_cap_bytes < 1:
+                raise ValueError(f"memory_cap_bytes must be >= 1 or None, got {self.memory_cap_bytes}")
+            if torch.device(self.device).type != "cuda":
+                raise ValueError(f"memory_cap_bytes needs a CUDA device, got device {self.device!r}")
         if self.pacing_lead_s is not None and not self.pacing_lead_s > 0:
             raise ValueError(f"pacing_lead_s must be > 0 or None, got {self.pacing_lead_s}")
         if self.fp8_scope is not None:
@@ -221,8 +230,7 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     if config.kv_cache_bytes is not None:
         budget = config.kv_cache_bytes
     elif device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * config.kv_cache_memory_fraction)
+        budget = int(capped_free_bytes(device, config.memory_cap_bytes) * config.kv_cache_memory_fraction)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = num_blocks_for_budget(model_config, config.block_size, config.torch_dtype, budget)
@@ -246,7 +254,9 @@ def _model_matrices(model: MossSpeechForCausalLM, weights: FusedWeights | None) 
 
 
 def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
-    """A preset with random weights (deterministic in `weights_seed`, byte-level tokenizer) or a checkpoint."""
+    """A preset with random weights (deterministic in `weights_seed`, byte-level tokenizer) or a checkpoint;
+    `memory_cap_bytes` is set first."""
+    cap_device_memory(config.device, config.memory_cap_bytes)
     if config.model in _PRESETS:
         model = build_model(
             ModelConfig.preset(config.model), seed=config.weights_seed, device=config.device,

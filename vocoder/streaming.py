@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.device_memory import cap_device_memory
 from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.transfer import to_device
 from vocoder.aa_activation import fuse_activations
@@ -886,6 +887,7 @@ def build_for_serving(
     light_load_schedule_codes: Sequence[int] | None = None,
     light_load_max_sessions: int = 1,
     fast_lane_code_budget: int | None = None,
+    memory_cap_bytes: int | None = None,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
     """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
@@ -899,10 +901,13 @@ def build_for_serving(
     pads to the main schedule's shapes).
     `fast_lane_code_budget`: a second lane at stream priority -1, above lane 0's (`add_lane`), for the batcher's
     fast lane, warmed up over the `warmup_rows` whose first chunks fit that budget.
+    `memory_cap_bytes` caps this process's allocator on the vocoder's device before anything is built
+    (runtime/device_memory.py; CUDA only).
     Returns the vocoder and the warm-up's figures (empty without one; lanes' and schedules' figures added up).
     """
     if (bucket_shapes or warmup_rows) and not cuda_graphs:
         raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
+    cap_device_memory(str(from_preset.get("device", "cpu")), memory_cap_bytes)
     if chunk_schedule_codes is not None or light_load_schedule_codes is not None:
         cfg = from_preset.get("config") or VocoderConfig.preset(preset)
         assert isinstance(cfg, VocoderConfig)

@@ -356,6 +356,10 @@ def test_kv_pool_sizing_and_config_validation(model: MossSpeechForCausalLM) -> N
     for bad in ([], [64, 0], [64, 1.5], [True]):
         with pytest.raises(ValueError, match="prefill_buckets must be positive row counts"):
             EngineConfig(prefill_buckets=bad)
+    with pytest.raises(ValueError, match="memory_cap_bytes needs a CUDA device, got device 'cpu'"):
+        EngineConfig(memory_cap_bytes=2**30)
+    with pytest.raises(ValueError, match="memory_cap_bytes must be >= 1 or None, got 0"):
+        EngineConfig(device="cuda", memory_cap_bytes=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         EngineCore(model, Tokenizer.tiny(), engine_config(max_model_len=10_000))
 

@@ -101,6 +101,8 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_background_yield": "always", "vocoder_fast_lane_code_budget": 32},
      "Input should be 'off', 'first_chunk' or 'newcomer'"),
     ({"vocoder_yield_max_s": 0}, "greater than 0"),
+    ({"vocoder_memory_cap_bytes": 2**30}, "vocoder_memory_cap_bytes needs vocoder_device cuda, got 'cpu'"),
+    ({"vocoder_memory_cap_bytes": 0, "vocoder_device": "cuda"}, "greater than or equal to 1"),
 ])
 def test_bad_app_args_are_rejected(args: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -114,6 +114,7 @@ def test_engine_and_vocoder_gauges_match_the_server_state(http: httpx.Client) ->
     stats = http.get("/admin/stats").json()
     llm = stats["llm"]
     assert llm["prefix_cache_hits"] > 0
+    assert llm["device_memory"] is None and stats["vocoder"]["device_memory"] is None  # CPU replicas
     expected = {
         "ray_moss_kv_blocks_used": 0, "ray_moss_kv_blocks_free": llm["num_blocks_total"],
         "ray_moss_queued_requests": 0, "ray_moss_active_streams": 0,

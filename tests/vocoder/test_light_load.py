@@ -180,3 +180,24 @@ def test_light_load_settings_are_checked() -> None:
     exact.use_cuda_graphs()
     with pytest.raises(ValueError, match="warm-up schedule needs low latency"):
         exact.warm_up([1], schedule=[2, 3])
+
+
+def test_build_for_serving_caps_device_memory_before_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap is set before the vocoder is built (a build that would pass it fails in its own process), and a
+    cap on a CPU vocoder is refused before anything is built."""
+    from vocoder import streaming
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(streaming, "cap_device_memory", lambda device, cap: calls.append(("cap", device, cap)))
+
+    def from_preset(name: str, **kwargs: object) -> None:
+        calls.append(("build", name))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(streaming.StreamingVocoder, "from_preset", staticmethod(from_preset))
+    with pytest.raises(RuntimeError, match="stop here"):
+        build_for_serving("full", device="cuda", memory_cap_bytes=3 * 2**30)
+    assert calls == [("cap", "cuda", 3 * 2**30), ("build", "full")]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
+        build_for_serving("tiny", device="cpu", memory_cap_bytes=2**30)

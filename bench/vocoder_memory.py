@@ -1,0 +1,88 @@
+"""How much device memory the vocoder replica of a Serve config needs: build it as the vocoder deployment
+does (CUDA graphs, warm-up, reserved sessions, both lanes), then drive the largest steps its batcher can
+form, and print one JSON line with the allocator's figures after the build and at the peak.
+
+    python bench/vocoder_memory.py --config config/serve-4090.yaml [--keep-cap] [--out FILE]
+
+Without `--keep-cap` the config's `vocoder_memory_cap_bytes` is not applied, so the figures say what a cap
+must allow. Steps: `max_batch_size` streams get their first chunk in fast-lane-sized steps, then three rounds
+of chunks from the main schedule in steps as large as `step_code_budget` allows (rows padded as the vocoder
+pads them x the chunk's codes). Off CUDA it runs the same steps with no memory figures (a check of the script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.pipeline import settings_from_config, split_vocoder_settings  # noqa: E402
+from runtime.device_memory import memory_stats  # noqa: E402
+from vocoder.streaming import build_for_serving  # noqa: E402
+
+
+def rows_within(voc, budget: int, codes: int, most: int) -> int:  # noqa: ANN001
+    """The most streams one step of `codes`-code chunks takes within `budget` padded code rows (at least 1)."""
+    rows = 1
+    while rows < most and voc.bucket_rows(rows + 1) * codes <= budget:
+        rows += 1
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--keep-cap", action="store_true", help="apply vocoder_memory_cap_bytes as the replica does")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    _, vocoder_kwargs = settings_from_config(args.config)
+    max_batch, batcher = split_vocoder_settings(vocoder_kwargs)
+    cap = vocoder_kwargs.pop("memory_cap_bytes", None)
+    if args.keep_cap:
+        vocoder_kwargs["memory_cap_bytes"] = cap
+    started = time.perf_counter()
+    voc, warm = build_for_serving(**vocoder_kwargs)
+    built = {"seconds": round(time.perf_counter() - started, 1), "warm_up": warm, **(memory_stats(voc.device) or {})}
+    rng = np.random.default_rng(0)
+    sessions = [voc.open("default", seed=i, lane=1 if batcher.get("fast_lane_code_budget") else 0)
+                for i in range(max_batch)]
+    first = voc.next_chunk_codes(sessions[0], 10**6) + 3  # a first chunk's codes and its lookahead
+    fast = rows_within(voc, batcher.get("fast_lane_code_budget") or batcher.get("step_code_budget", 256), first,
+                       max_batch)
+    steps, samples = 0, 0
+    for i in range(0, max_batch, fast):
+        pcm = voc.step([(s, rng.integers(0, 16384, first).tolist()) for s in sessions[i : i + fast]],
+                       max_chunks=1, lane=1 if batcher.get("fast_lane_code_budget") else 0)
+        steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
+    chunk_codes = []
+    for _ in range(3):
+        codes = voc.next_chunk_codes(sessions[0], 10**6)
+        chunk_codes.append(codes)
+        main = rows_within(voc, batcher.get("step_code_budget", 256), codes, max_batch)
+        for i in range(0, max_batch, main):
+            pcm = voc.step([(s, rng.integers(0, 16384, codes).tolist()) for s in sessions[i : i + main]],
+                           max_chunks=1)
+            assert all(np.isfinite(p).all() for p in pcm)
+            steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
+    on_cuda = voc.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+    result = {"command": " ".join(["python", *sys.argv]), "config": args.config, "cap_applied": args.keep_cap,
+              "config_cap_bytes": cap, "streams": max_batch, "first_chunk_codes": first,
+              "main_chunk_codes": chunk_codes, "steps": steps, "pcm_samples": samples,
+              "device": torch.cuda.get_device_name(voc.device) if on_cuda else str(voc.device), "after_build": built,
+              "after_steps": memory_stats(voc.device)}
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

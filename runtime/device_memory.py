@@ -1,0 +1,53 @@
+"""A hard cap on the device memory one process's PyTorch allocator may hold.
+
+On one card shared by the LLM and vocoder replicas (an RTX 4090: config/serve-4090.yaml), Ray's fractional
+`num_gpus` divides scheduling, not memory. With a cap, a replica that needs more than its share gets a CUDA
+out-of-memory error in its own process, at start-up or in the step that asked, instead of taking memory the
+other replica counts on. `torch.cuda.set_per_process_memory_fraction` bounds the caching allocator only: the
+CUDA context, library workspaces and loaded kernels come on top (a few hundred MiB per process).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def cap_device_memory(device: str | torch.device, cap_bytes: int | None) -> float | None:
+    """Cap this process's allocator on `device` at `cap_bytes` (None: no cap) -> the fraction of the
+    device's memory set, or None. Raises ValueError for a non-CUDA device or a cap the device cannot give."""
+    if cap_bytes is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"a device memory cap needs a CUDA device, got {str(device)!r}")
+    if cap_bytes < 1:
+        raise ValueError(f"the device memory cap must be >= 1 byte, got {cap_bytes}")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total = torch.cuda.get_device_properties(index).total_memory
+    if cap_bytes > total:
+        raise ValueError(f"the device memory cap ({cap_bytes} bytes) exceeds cuda:{index}'s memory ({total} bytes)")
+    fraction = cap_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
+def capped_free_bytes(device: torch.device, cap_bytes: int | None) -> int:
+    """Device memory this process may still allocate: what the device has free, and under a cap, no more than
+    the cap less what the allocator already holds."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if cap_bytes is None:
+        return free
+    return max(0, min(free, cap_bytes - torch.cuda.memory_reserved(device)))
+
+
+def memory_stats(device: str | torch.device) -> dict[str, int] | None:
+    """This process's allocator on a CUDA `device`: bytes allocated and reserved now, the peak reserved since
+    start, and the cap (0: none); None on other devices."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
+    return {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index),
+            "peak_reserved": torch.cuda.max_memory_reserved(index),
+            "cap": 0 if fraction >= 1.0 else int(fraction * total)}
