@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pipeline import settings_from_config, split_vocoder_settings  # noqa: E402
-from runtime.device_memory import memory_stats  # noqa: E402
-from vocoder.streaming import build_for_serving  # noqa: E402
+from bench.pipeline import settings_from_config, split_vocoder_settings
+from runtime.device_memory import memory_stats
+from vocoder.streaming import StreamingVocoder, build_for_serving
 
 
-def rows_within(voc, budget: int, codes: int, most: int) -> int:  # noqa: ANN001
+def rows_within(voc: StreamingVocoder, budget: int, codes: int, most: int) -> int:
     """The most streams one step of `codes`-code chunks takes within `budget` padded code rows (at least 1)."""
     rows = 1
     while rows < most and voc.bucket_rows(rows + 1) * codes <= budget:

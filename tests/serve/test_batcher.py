@@ -652,34 +652,22 @@ def test_newcomer_mode_holds_background_steps_while_a_newcomer_waits_for_codes(m
     asyncio.run(main())
 
 
-def test_newcomer_hold_ends_by_itself_when_it_expires() -> None:
-    """The newcomer never sends codes and nothing else happens: lane 0 steps the listener on its own once
-    `yield_max_s` has passed since the newcomer's session opened, as a background step (the listener, with
-    0 s `urgent_buffer_s`, never turns urgent)."""
+@pytest.mark.parametrize(("urgent_buffer_s", "yield_max_s", "kind"), [(0.0, 0.5, "background"), (0.5, 30.0, "urgent")])
+def test_held_listener_is_stepped_without_an_event(urgent_buffer_s: float, yield_max_s: float, kind: str) -> None:
+    """The newcomer never sends codes and nothing else happens; lane 0 wakes itself:
+    - "background": the listener never turns urgent (0 s `urgent_buffer_s`), so it is stepped once
+      `yield_max_s` has passed since the newcomer's session opened;
+    - "urgent": the newcomer's hold would last 30 s, but the listener (1 s buffered at its first PCM) turns
+      urgent 0.5 s later and is stepped then, in an urgent step, which no hold delays."""
     async def main() -> None:
-        batcher, _vocoder, kinds, old, new = await _listener_and_silent_newcomer(
-            "newcomer", urgent_buffer_s=0.0, yield_max_s=0.5)
+        batcher, vocoder, kinds, old, new = await _listener_and_silent_newcomer(
+            "newcomer", urgent_buffer_s=urgent_buffer_s, yield_max_s=yield_max_s)
         second = await asyncio.wait_for(old.out.get(), timeout=10)
-        assert time.monotonic() - new.opened_at >= 0.5
+        waited_since = new.opened_at if kind == "background" else old.first_pcm_at
+        assert time.monotonic() - waited_since >= 0.5
         assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
-        assert kinds == ["fast-first", "background"]
-        await batcher.shutdown()
-
-    asyncio.run(main())
-
-
-def test_held_listener_is_stepped_when_it_turns_urgent() -> None:
-    """The newcomer's hold would last 30 s, but the held listener (1 s buffered at its first PCM) turns
-    urgent 0.5 s later: lane 0 wakes itself then and steps it as an urgent step, which no hold delays."""
-    async def main() -> None:
-        batcher, vocoder, kinds, old, _new = await _listener_and_silent_newcomer(
-            "newcomer", urgent_buffer_s=0.5, yield_max_s=30.0)
-        second = await asyncio.wait_for(old.out.get(), timeout=10)
-        assert time.monotonic() - old.first_pcm_at >= 0.5
-        assert second.tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
-        assert kinds == ["fast-first", "urgent"]
-        lanes = [lane for call, lane, _ in vocoder.lanes if call == "step"]
-        assert lanes == [1, 0]
+        assert kinds == ["fast-first", kind]
+        assert [lane for call, lane, _ in vocoder.lanes if call == "step"] == [1, 0]
         await batcher.shutdown()
 
     asyncio.run(main())
