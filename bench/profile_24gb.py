@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.config import ModelConfig
 from runtime.cuda_graph import DEFAULT_PREFILL_BUCKETS, DecodeGraphRunner, PrefillGraphRunner
+from runtime.device_memory import cap_device_memory
 from runtime.fast_forward import FastForward
 from runtime.fused import fuse_model_weights, quantize_model_in_place
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -93,9 +94,8 @@ def main() -> None:
     p.add_argument("--prefill-buckets", default="", help="comma-separated row buckets (default: the engine's)")
     args = p.parse_args()
     prefill_buckets = [int(b) for b in args.prefill_buckets.split(",") if b] or None
-    total = torch.cuda.get_device_properties(0).total_memory
     budget = int(args.budget_gib * GIB)
-    torch.cuda.set_per_process_memory_fraction(budget / total)
+    cap_device_memory("cuda", budget)  # as a replica's memory_cap_bytes does
     vocoder = int(args.vocoder_gib * GIB)
     result: dict = {"budget_gib": args.budget_gib, "vocoder_reserve_gib": args.vocoder_gib,
                     "buckets": list(BUCKETS), "max_model_len": MAX_MODEL_LEN, "prefill_chunk": CHUNK,

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pipeline import settings_from_config, split_vocoder_settings
 from runtime.device_memory import memory_stats
+from vocoder.config import LOOKAHEAD_CODES
 from vocoder.streaming import StreamingVocoder, build_for_serving
 
 
@@ -50,26 +51,27 @@ def main() -> None:
     voc, warm = build_for_serving(**vocoder_kwargs)
     built = {"seconds": round(time.perf_counter() - started, 1), "warm_up": warm, **(memory_stats(voc.device) or {})}
     rng = np.random.default_rng(0)
-    sessions = [voc.open("default", seed=i, lane=1 if batcher.get("fast_lane_code_budget") else 0)
-                for i in range(max_batch)]
-    first = voc.next_chunk_codes(sessions[0], 10**6) + 3  # a first chunk's codes and its lookahead
-    fast = rows_within(voc, batcher.get("fast_lane_code_budget") or batcher.get("step_code_budget", 256), first,
-                       max_batch)
-    steps, samples = 0, 0
-    for i in range(0, max_batch, fast):
-        pcm = voc.step([(s, rng.integers(0, 16384, first).tolist()) for s in sessions[i : i + fast]],
-                       max_chunks=1, lane=1 if batcher.get("fast_lane_code_budget") else 0)
-        steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
+    lane = 1 if batcher.get("fast_lane_code_budget") else 0  # sessions open and first chunks run there
+    budget = batcher.get("step_code_budget", 256)  # (VocoderBatcher's default)
+    sessions = [voc.open("default", seed=i, lane=lane) for i in range(max_batch)]
+    steps = samples = 0
+
+    def step_all(codes: int, rows: int, lane: int = 0) -> None:
+        """Every session one chunk of `codes` new codes, `rows` sessions per step; PCM checked finite."""
+        nonlocal steps, samples
+        for i in range(0, max_batch, rows):
+            pcm = voc.step([(s, rng.integers(0, 16384, codes).tolist()) for s in sessions[i : i + rows]],
+                           max_chunks=1, lane=lane)
+            assert all(np.isfinite(p).all() for p in pcm)
+            steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
+
+    first = voc.next_chunk_codes(sessions[0], 10**6) + LOOKAHEAD_CODES  # a first chunk's codes and lookahead
+    step_all(first, rows_within(voc, batcher.get("fast_lane_code_budget") or budget, first, max_batch), lane)
     chunk_codes = []
     for _ in range(3):
         codes = voc.next_chunk_codes(sessions[0], 10**6)
         chunk_codes.append(codes)
-        main = rows_within(voc, batcher.get("step_code_budget", 256), codes, max_batch)
-        for i in range(0, max_batch, main):
-            pcm = voc.step([(s, rng.integers(0, 16384, codes).tolist()) for s in sessions[i : i + main]],
-                           max_chunks=1)
-            assert all(np.isfinite(p).all() for p in pcm)
-            steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
+        step_all(codes, rows_within(voc, budget, codes, max_batch))
     on_cuda = voc.device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize()

@@ -11,6 +11,12 @@ from __future__ import annotations
 import torch
 
 
+def _index_and_total(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's index (the current one when `device` names none) and its memory in bytes."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return index, torch.cuda.get_device_properties(index).total_memory
+
+
 def cap_device_memory(device: str | torch.device, cap_bytes: int | None) -> float | None:
     """Cap this process's allocator on `device` at `cap_bytes` (None: no cap) -> the fraction of the
     device's memory set, or None. Raises ValueError for a non-CUDA device or a cap the device cannot give."""
@@ -21,8 +27,7 @@ def cap_device_memory(device: str | torch.device, cap_bytes: int | None) -> floa
         raise ValueError(f"a device memory cap needs a CUDA device, got {str(device)!r}")
     if cap_bytes < 1:
         raise ValueError(f"the device memory cap must be >= 1 byte, got {cap_bytes}")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    total = torch.cuda.get_device_properties(index).total_memory
+    index, total = _index_and_total(device)
     if cap_bytes > total:
         raise ValueError(f"the device memory cap ({cap_bytes} bytes) exceeds cuda:{index}'s memory ({total} bytes)")
     fraction = cap_bytes / total
@@ -45,8 +50,7 @@ def memory_stats(device: str | torch.device) -> dict[str, int] | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    index = torch.cuda.current_device() if device.index is None else device.index
-    total = torch.cuda.get_device_properties(index).total_memory
+    index, total = _index_and_total(device)
     fraction = torch.cuda.get_per_process_memory_fraction(index)
     return {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index),
             "peak_reserved": torch.cuda.max_memory_reserved(index),
