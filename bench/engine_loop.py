@@ -36,6 +36,7 @@ import runtime.sampling
 from bench.engine import time_fn
 from bench.measure import percentiles, requests_per_level, speech_prompt_text
 from bench.pipeline import settings_from_config, speech_request
+from runtime.device_memory import memory_stats
 from runtime.engine import EngineConfig, EngineCore, StepRecord
 from runtime.request import AudioCodes, Finished
 
@@ -358,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "request": {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                     "fixed_length": True, "audio_sampling": "upstream defaults (0.6 / top-k 20 / top-p 0.95)"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "memory_after_build": memory_stats(device),  # the allocator's bytes (and the cap) on CUDA, else None
         "levels": [],
     }
     variants = itertools.count()
@@ -392,6 +394,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary["levels"].append(level)
             if args.out:
                 Path(args.out).write_text(json.dumps(summary) + "\n")
+    summary["memory_after_levels"] = memory_stats(device)
     line = json.dumps(summary)
     print(line)
     if args.out:

@@ -139,7 +139,7 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
                         "vocoder_light_load_max_sessions", "vocoder_urgent_buffer_s", "vocoder_batching",
                         "vocoder_step_code_budget", "vocoder_urgent_step_code_budget",
                         "vocoder_fast_lane_code_budget", "vocoder_background_yield",
-                        "vocoder_yield_max_s")}
+                        "vocoder_yield_max_s", "vocoder_graphs_after_warmup", "vocoder_memory_cap_bytes")}
     return dict(args.get("engine", {})), vocoder
 
 
@@ -166,6 +166,7 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     engine_kwargs, vocoder_kwargs = settings_from_config(args.config)
     # the replicas' memory caps split one card between two processes; here both share one process
     engine_kwargs.pop("memory_cap_bytes", None)
+    vocoder_kwargs.pop("memory_cap_bytes", None)
     if args.checkpoint:
         engine_kwargs["model"] = args.checkpoint
     elif args.preset:

@@ -5,9 +5,9 @@ form, and print one JSON line with the allocator's figures after the build and a
     python bench/vocoder_memory.py --config config/serve-4090.yaml [--keep-cap] [--out FILE]
 
 Without `--keep-cap` the config's `vocoder_memory_cap_bytes` is not applied, so the figures say what a cap
-must allow. Steps: `max_batch_size` streams get their first chunk in fast-lane-sized steps, then three rounds
-of chunks from the main schedule in steps as large as `step_code_budget` allows (rows padded as the vocoder
-pads them x the chunk's codes). Off CUDA it runs the same steps with no memory figures (a check of the script).
+must allow. Steps: `max_batch_size` streams get their first chunk in fast-lane-sized steps, then rounds of
+chunks through the main schedule up to its repeating last chunk, in steps as large as `step_code_budget`
+allows (rows padded as the vocoder pads them x the chunk's codes). Off CUDA it runs the same steps with no memory figures (a check of the script).
 """
 from __future__ import annotations
 
@@ -65,11 +65,12 @@ def main() -> None:
             assert all(np.isfinite(p).all() for p in pcm)
             steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
 
-    first = voc.next_chunk_codes(sessions[0], 10**6) + LOOKAHEAD_CODES  # a first chunk's codes and lookahead
+    paced = sessions[-1]  # on the main schedule (with a light-load schedule only the first one opened is not)
+    first = voc.next_chunk_codes(paced, 10**6) + LOOKAHEAD_CODES  # a first chunk's codes and lookahead
     step_all(first, rows_within(voc, batcher.get("fast_lane_code_budget") or budget, first, max_batch), lane)
-    chunk_codes = []
-    for _ in range(3):
-        codes = voc.next_chunk_codes(sessions[0], 10**6)
+    chunk_codes: list[int] = []
+    while not chunk_codes or chunk_codes[-1] != voc.next_chunk_codes(paced, 10**6):  # to the repeating one
+        codes = voc.next_chunk_codes(paced, 10**6)
         chunk_codes.append(codes)
         step_all(codes, rows_within(voc, budget, codes, max_batch))
     on_cuda = voc.device.type == "cuda"
@@ -79,7 +80,7 @@ def main() -> None:
               "config_cap_bytes": cap, "streams": max_batch, "first_chunk_codes": first,
               "main_chunk_codes": chunk_codes, "steps": steps, "pcm_samples": samples,
               "device": torch.cuda.get_device_name(voc.device) if on_cuda else str(voc.device), "after_build": built,
-              "after_steps": memory_stats(voc.device)}
+              "after_steps": memory_stats(voc.device), "graph_stats": voc.graph_stats}
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -77,6 +77,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "dtype": args.vocoder_dtype, "seed": args.vocoder_seed,
                       "cuda_graphs": args.vocoder_cuda_graphs, "bucket_shapes": args.vocoder_bucket_shapes,
                       "warmup_rows": args.vocoder_warmup_rows,
+                      "graphs_after_warmup": args.vocoder_graphs_after_warmup,
                       "reserved_sessions": args.vocoder_reserved_sessions,
                       "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
                       "light_load_schedule_codes": args.vocoder_light_load_schedule_codes,

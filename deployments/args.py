@@ -64,6 +64,10 @@ class AppArgs(BaseModel):
     # Row counts whose steps StreamingVocoder.warm_up captures when the replica starts (cuda graphs on);
     # with bucket_shapes give row buckets (vocoder.streaming.ROW_BUCKETS). Empty: no warm-up.
     vocoder_warmup_rows: list[int] = Field(default_factory=list)
+    # false: shapes the warm-up did not capture run eagerly instead of being captured under traffic
+    # (StreamingVocoder.freeze_graphs), so the graphs' memory is fixed once the replica is up: for a replica
+    # under vocoder_memory_cap_bytes, where a capture at run time could fail. Needs vocoder_warmup_rows.
+    vocoder_graphs_after_warmup: bool = True
     # Open sessions whose flow state is allocated at start (StreamingVocoder.reserve_sessions; ~0.66 MB
     # each for `full` in bf16). Past it the state pool doubles, which drops the captured flow graphs.
     vocoder_reserved_sessions: int = Field(default=0, ge=0)
@@ -153,6 +157,8 @@ class AppArgs(BaseModel):
     def _check_vocoder_graph_options(self) -> AppArgs:
         if (self.vocoder_bucket_shapes or self.vocoder_warmup_rows) and not self.vocoder_cuda_graphs:
             raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
+        if not self.vocoder_graphs_after_warmup and not self.vocoder_warmup_rows:
+            raise ValueError("vocoder_graphs_after_warmup: false needs vocoder_warmup_rows")
         if self.vocoder_fast_lane_code_budget is not None and self.vocoder_batching != "deadline":
             raise ValueError("vocoder_fast_lane_code_budget needs vocoder_batching: deadline")
         if self.vocoder_memory_cap_bytes is not None and not self.vocoder_device.startswith("cuda"):

@@ -46,12 +46,14 @@ def capped_free_bytes(device: torch.device, cap_bytes: int | None) -> int:
 
 def memory_stats(device: str | torch.device) -> dict[str, int] | None:
     """This process's allocator on a CUDA `device`: bytes allocated and reserved now, the peak reserved since
-    start, and the cap (0: none); None on other devices."""
+    start, and the cap (0: none); and the device's used bytes by every process, CUDA contexts included
+    (`device_used`: total less free). None on other devices."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     index, total = _index_and_total(device)
     fraction = torch.cuda.get_per_process_memory_fraction(index)
+    free, _ = torch.cuda.mem_get_info(index)
     return {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index),
             "peak_reserved": torch.cuda.max_memory_reserved(index),
-            "cap": 0 if fraction >= 1.0 else int(fraction * total)}
+            "cap": 0 if fraction >= 1.0 else int(fraction * total), "device_used": total - free}

@@ -34,6 +34,8 @@ class GraphedFunction:
     into the graph's static buffers and outputs are cloned out, so callers never hold a buffer that a
     later replay overwrites. On CPU the same buffer path runs with `fn` re-executed instead of a graph
     (so tests can check the plumbing). At most `max_graphs` signatures are kept; others run eagerly.
+    After `freeze()` only the signatures captured by then are ever captured (again, after a `reset`), so
+    the graphs' memory stays what it was then.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class GraphedFunction:
         self.warmup_runs = warmup_runs
         self._graphs: dict[Signature, _Captured] = {}
         self._seen: dict[Signature, int] = {}
+        self._allowed: frozenset[Signature] | None = None  # set by freeze()
         self.num_replays = 0
         self.num_eager_calls = 0
 
@@ -61,9 +64,18 @@ class GraphedFunction:
         return len(self._graphs)
 
     def reset(self) -> None:
-        """Drop every captured graph (e.g. after state the function reads was reallocated)."""
+        """Drop every captured graph (e.g. after state the function reads was reallocated). A frozen
+        function stays frozen: it captures its signatures again on their second sighting, no others."""
         self._graphs.clear()
         self._seen.clear()
+
+    def freeze(self) -> None:
+        """Capture no signature beyond those captured now: any other runs eagerly from here on."""
+        self._allowed = frozenset(self._graphs)
+
+    @property
+    def frozen(self) -> bool:
+        return self._allowed is not None
 
     def __call__(self, *args: torch.Tensor) -> Any:
         assert all(isinstance(a, torch.Tensor) for a in args), "graphed functions take tensors only"
@@ -71,7 +83,8 @@ class GraphedFunction:
         captured = self._graphs.get(sig)
         if captured is None:
             self._seen[sig] = self._seen.get(sig, 0) + 1
-            if self._seen[sig] < self.capture_after_calls or len(self._graphs) >= self.max_graphs:
+            if (self._seen[sig] < self.capture_after_calls or len(self._graphs) >= self.max_graphs
+                    or (self._allowed is not None and sig not in self._allowed)):
                 self.num_eager_calls += 1
                 return self.fn(*args)
             captured = self._capture(args)

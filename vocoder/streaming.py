@@ -374,6 +374,16 @@ class StreamingVocoder:
             "num_eager_calls": sum(g.num_eager_calls for g in graphed),
         }
 
+    def freeze_graphs(self) -> None:
+        """Capture no new shape on any lane from now on: shapes not captured yet run eagerly. Bounds the
+        graphs' memory by what the warm-up captured, for a replica under a memory cap (a capture at run time
+        could fail there)."""
+        if not self._graphed:
+            raise RuntimeError("freeze_graphs needs use_cuda_graphs()")
+        for lane in self._lanes:
+            for g in lane.graphed:
+                g.freeze()
+
     @classmethod
     def from_preset(
         cls,
@@ -888,6 +898,7 @@ def build_for_serving(
     light_load_max_sessions: int = 1,
     fast_lane_code_budget: int | None = None,
     memory_cap_bytes: int | None = None,
+    graphs_after_warmup: bool = True,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
     """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
@@ -902,11 +913,14 @@ def build_for_serving(
     `fast_lane_code_budget`: a second lane at stream priority -1, above lane 0's (`add_lane`), for the batcher's
     fast lane, warmed up over the `warmup_rows` whose first chunks fit that budget.
     `memory_cap_bytes` caps this process's allocator on the vocoder's device before anything is built
-    (runtime/device_memory.py; CUDA only).
+    (runtime/device_memory.py; CUDA only). `graphs_after_warmup` False: `freeze_graphs()` after the warm-up,
+    so shapes it did not capture run eagerly instead of being captured under traffic (needs `warmup_rows`).
     Returns the vocoder and the warm-up's figures (empty without one; lanes' and schedules' figures added up).
     """
     if (bucket_shapes or warmup_rows) and not cuda_graphs:
         raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
+    if not graphs_after_warmup and not warmup_rows:
+        raise ValueError("graphs_after_warmup=False needs warmup_rows (else no graph would ever be captured)")
     cap_device_memory(str(from_preset.get("device", "cpu")), memory_cap_bytes)
     if chunk_schedule_codes is not None or light_load_schedule_codes is not None:
         cfg = from_preset.get("config") or VocoderConfig.preset(preset)
@@ -937,6 +951,8 @@ def build_for_serving(
                 figures = voc.warm_up(lane_rows, lane=lane, schedule=schedule)
                 warm = {key: warm.get(key, 0) + value for key, value in figures.items()}
     voc.close(voc.open("default", seed=0))  # keeps the most common priming (warm_up's streams use it too)
+    if not graphs_after_warmup:
+        voc.freeze_graphs()
     return voc, warm
 
 

@@ -76,6 +76,7 @@ def test_kv_pool_from_a_fraction_of_what_the_cap_leaves(monkeypatch: pytest.Monk
 def test_memory_stats_report_the_allocator_and_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = FakeCuda(monkeypatch, reserved=3 * GIB)
     assert memory_stats("cpu") is None
-    assert memory_stats("cuda") == {"allocated": 2 * GIB, "reserved": 3 * GIB, "peak_reserved": 5 * GIB, "cap": 0}
+    assert memory_stats("cuda") == {"allocated": 2 * GIB, "reserved": 3 * GIB, "peak_reserved": 5 * GIB, "cap": 0,
+                                    "device_used": 14 * GIB}  # 24 GiB card, 10 free
     cuda.fraction = 0.25
     assert memory_stats("cuda:0")["cap"] == 6 * GIB

@@ -88,6 +88,8 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_warmup_rows": [1, 4]}, "vocoder_warmup_rows need vocoder_cuda_graphs: true"),
     ({"vocoder_bucket_shapes": True}, "vocoder_bucket_shapes and vocoder_warmup_rows need"),
     ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [0]}, "vocoder_warmup_rows must all be >= 1"),
+    ({"vocoder_cuda_graphs": True, "vocoder_graphs_after_warmup": False},
+     "vocoder_graphs_after_warmup: false needs vocoder_warmup_rows"),
     ({"vocoder_reserved_sessions": -1}, "greater than or equal to 0"),
     ({"vocoder_chunk_schedule_codes": [3, 0]}, "vocoder_chunk_schedule_codes must be non-empty sizes >= 1"),
     ({"vocoder_light_load_schedule_codes": []}, "vocoder_light_load_schedule_codes must be non-empty sizes >= 1"),

@@ -254,6 +254,24 @@ def test_graphed_function_captures_on_second_use_and_caps_graphs() -> None:
     assert fn.num_graphs == 0
 
 
+def test_frozen_graphed_function_captures_only_what_it_had() -> None:
+    import torch
+
+    from vocoder.graphs import GraphedFunction
+
+    fn = GraphedFunction(lambda x: x * 3, capture_after_calls=1)
+    a, b = torch.arange(3.0), torch.arange(4.0)
+    fn(a)  # captured on first use
+    fn.freeze()
+    assert fn.frozen and fn.num_graphs == 1
+    for _ in range(3):
+        assert torch.equal(fn(b), 3 * b)  # never captured: eager every time
+    assert (fn.num_graphs, fn.num_eager_calls, fn.num_replays) == (1, 3, 1)
+    fn.reset()  # e.g. the state pool grew: the frozen signature may be captured again, b still not
+    assert torch.equal(fn(a + 1), 3 * (a + 1)) and torch.equal(fn(b), 3 * b)
+    assert (fn.num_graphs, fn.num_eager_calls, fn.num_replays) == (1, 4, 2) and fn.frozen
+
+
 def test_graph_path_pads_steps_to_few_shapes(codes: list[int]) -> None:
     # With graphs a step runs a bucketed number of rows (padding rows on a scratch slot) and of frames;
     # the audio of the real rows is the eager, unpadded audio.
@@ -305,6 +323,24 @@ def test_warm_up_captures_every_shape_of_later_staggered_streams(codes: list[int
     assert after["num_replays"] > before["num_replays"] and voc.pool.generation == generation
 
 
+def test_frozen_graphs_run_unwarmed_shapes_eagerly_with_the_same_audio(codes: list[int]) -> None:
+    # Warmed for 1 row only and frozen: the 2- and 3-stream steps below (2 and 4 padded rows) are never
+    # captured, however often they repeat, and every stream's audio is the eager vocoder's.
+    from vocoder.streaming import build_for_serving
+
+    voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
+                                  warmup_rows=[1], graphs_after_warmup=False)
+    before = voc.graph_stats
+    assert warm["graphs_captured"] == before["num_graphs"] > 0
+    graphed = run_staggered(voc, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
+    eager = run_staggered(StreamingVocoder.from_preset("tiny"), codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
+    for a, b, n in zip(graphed, eager, [NUM_CODES, 17, 21], strict=True):
+        assert len(a) == len(b) == n * SAMPLES_PER_CODE and float(np.abs(a - b).max()) < SAME
+    after = voc.graph_stats
+    assert after["num_graphs"] == before["num_graphs"]
+    assert after["num_eager_calls"] > before["num_eager_calls"] and after["num_replays"] > before["num_replays"]
+
+
 def test_warm_up_needs_graphs_and_valid_rows() -> None:
     voc = StreamingVocoder.from_preset("tiny")
     with pytest.raises(RuntimeError, match="use_cuda_graphs"):
@@ -327,6 +363,10 @@ def test_build_for_serving_wires_graphs_reserve_priming_and_warm_up() -> None:
     assert nothing == {} and plain.graph_stats["num_graphs"] == 0 and plain.pool.capacity == 8
     with pytest.raises(ValueError, match="need cuda_graphs"):
         build_for_serving("tiny", warmup_rows=[1])
+    with pytest.raises(ValueError, match="needs warmup_rows"):
+        build_for_serving("tiny", cuda_graphs=True, graphs_after_warmup=False)
+    with pytest.raises(RuntimeError, match="needs use_cuda_graphs"):
+        plain.freeze_graphs()
     bigger_first, _ = build_for_serving("tiny", chunk_schedule_codes=[3, 5])
     assert bigger_first.config.stream.chunk_schedule_codes == (3, 5)
     session = bigger_first.open("default", seed=SEED)
