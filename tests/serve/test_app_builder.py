@@ -36,12 +36,27 @@ def test_cpu_config_builds_three_deployments_with_fractional_cpus_and_no_gpus() 
                        "Ingress": {"num_cpus": 0.25}}
 
 
-def test_gpu_config_is_refused_on_a_gpu_less_cluster() -> None:
-    args = AppArgs.model_validate(yaml_args("serve-4090.yaml"))
+@pytest.mark.parametrize("name", ["serve-4090.yaml", "serve-4090-fp8.yaml"])
+def test_gpu_config_is_refused_on_a_gpu_less_cluster(name: str) -> None:
+    args = AppArgs.model_validate(yaml_args(name))
     with pytest.raises(GpuUnavailableError, match=r"LLM num_gpus=0.8, vocoder num_gpus=0.2\) but the "
                                                   r"Ray cluster has 0 GPU\(s\)"):
         check_gpus(args, gpus_available=0.0)
     check_gpus(args, gpus_available=1.0)  # one card holds 0.8 + 0.2
+
+
+@pytest.mark.parametrize(("name", "fp8_scope", "caps_gib"), [
+    ("serve-4090.yaml", None, (20.0, 2.25)), ("serve-4090-fp8.yaml", "all", (18.0, 3.75))])
+def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(name: str, fp8_scope: str | None,
+                                                                      caps_gib: tuple[float, float]) -> None:
+    # measured under these caps on an H200: bench/results/serve-4090-on-h200/
+    from runtime.engine import EngineConfig
+
+    args = AppArgs.model_validate(yaml_args(name))
+    engine = EngineConfig(**args.engine)
+    assert (engine.fast_path, engine.fp8_scope, engine.max_num_batched_tokens) == (True, fp8_scope, 1024)
+    assert (engine.memory_cap_bytes / 2**30, args.vocoder_memory_cap_bytes / 2**30) == caps_gib
+    assert args.vocoder_cuda_graphs and args.vocoder_bucket_shapes and not args.vocoder_graphs_after_warmup
 
 
 def test_gpu_config_uses_the_ops_autoscaling_policies() -> None:
