@@ -7,7 +7,8 @@ form, and print one JSON line with the allocator's figures after the build and a
 Without `--keep-cap` the config's `vocoder_memory_cap_bytes` is not applied, so the figures say what a cap
 must allow. Steps: `max_batch_size` streams get their first chunk in fast-lane-sized steps, then rounds of
 chunks through the main schedule up to its repeating last chunk, in steps as large as `step_code_budget`
-allows (rows padded as the vocoder pads them x the chunk's codes). Off CUDA it runs the same steps with no memory figures (a check of the script).
+allows (rows padded as the vocoder pads them x the chunk's codes). Off CUDA it runs the same steps with no
+memory figures (a check of the script).
 """
 from __future__ import annotations
 
