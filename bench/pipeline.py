@@ -131,15 +131,9 @@ def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, An
 
     with open(path) as f:
         args = yaml.safe_load(f)["applications"][0].get("args", {})
+    # every vocoder_* setting but the Serve deployment's options (a config file holds AppArgs fields only)
     vocoder = {k.removeprefix("vocoder_"): v for k, v in args.items()
-               if k in ("vocoder_preset", "vocoder_device", "vocoder_dtype", "vocoder_seed",
-                        "vocoder_max_batch_size", "vocoder_cuda_graphs", "vocoder_triton_kernels",
-                        "vocoder_bucket_shapes", "vocoder_warmup_rows", "vocoder_reserved_sessions",
-                        "vocoder_chunk_schedule_codes", "vocoder_light_load_schedule_codes",
-                        "vocoder_light_load_max_sessions", "vocoder_urgent_buffer_s", "vocoder_batching",
-                        "vocoder_step_code_budget", "vocoder_urgent_step_code_budget",
-                        "vocoder_fast_lane_code_budget", "vocoder_background_yield",
-                        "vocoder_yield_max_s", "vocoder_graphs_after_warmup", "vocoder_memory_cap_bytes")}
+               if k.startswith("vocoder_") and k != "vocoder_options"}
     return dict(args.get("engine", {})), vocoder
 
 
