@@ -265,7 +265,21 @@ def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
         return model, Tokenizer.tiny()
     from runtime.weights import load_pretrained
 
-    return load_pretrained(config.model, device=config.device, dtype=config.torch_dtype, debug_checks=config.debug_checks)
+    # FP8 on a GPU: the checkpoint stays in host memory and each matrix goes to the device only to be
+    # quantized (EngineCore), so the device never holds the whole bf16 model
+    where = "cpu" if _stages_fp8(config) else config.device
+    return load_pretrained(config.model, device=where, dtype=config.torch_dtype, debug_checks=config.debug_checks)
+
+
+def _cuda_device(name: str) -> torch.device:
+    """`name` with its index filled in (the current device when it has none)."""
+    index = torch.device(name).index
+    return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+
+def _stages_fp8(config: EngineConfig) -> bool:
+    """Whether a checkpoint is loaded into host memory and quantized onto the device layer by layer."""
+    return config.fp8_scope is not None and config.fast_path and torch.device(config.device).type == "cuda"
 
 
 class EngineCore:
@@ -286,8 +300,11 @@ class EngineCore:
         if config.fast_path:  # before sizing the KV pool: FP8 frees the bf16 matrices
             from runtime.fused import fuse_model_weights, quantize_model_in_place
 
-            weights = (quantize_model_in_place(model, config.fp8_scope) if config.fp8_scope is not None
-                       else fuse_model_weights(model))
+            staged = None  # a checkpoint held on the host for FP8 (load_model): quantized onto the GPU
+            if _stages_fp8(config) and device.type == "cpu":
+                device = staged = _cuda_device(config.device)
+            weights = (quantize_model_in_place(model, config.fp8_scope, staged)
+                       if config.fp8_scope is not None else fuse_model_weights(model))
         self.matmul_checks: list[ProductCheck] = []  # the start-up check's products (empty: it did not run)
         if config.check_matmuls or (config.check_matmuls is None and device.type == "cuda"):
             started = time.perf_counter()

@@ -170,37 +170,78 @@ def with_fp8(weights: FusedWeights, scope: str = "all") -> FusedWeights:
 
 
 @torch.no_grad()
-def quantize_model_in_place(model: MossSpeechForCausalLM, scope: str = "all") -> FusedWeights:
+def quantize_model_in_place(
+    model: MossSpeechForCausalLM, scope: str = "all", device: torch.device | str | None = None
+) -> FusedWeights:
     """Fuse, then quantize the `scope` matrices to FP8 one layer at a time, releasing each bf16 matrix as
-    soon as its FP8 twin exists (peak: bf16 weights + one layer). The model's parameters for those
-    matrices become empty, so only the fast path can run the model afterwards."""
+    soon as its FP8 twin exists. The model's parameters for those matrices become empty, so only the fast
+    path can run the model afterwards.
+
+    device None: everything stays where it is (peak: bf16 weights + one layer). Given a device (the model
+    loaded on the CPU), every tensor that stays bf16 moves there first, and each matrix to quantize moves
+    there only for its own quantization, so the device never holds more than the FP8 model, the bf16
+    remainder (embeddings, norms; the heads or tails outside `scope`) and one bf16 matrix."""
     if scope not in FP8_SCOPES:
         raise ValueError(f"fp8 scope must be one of {FP8_SCOPES}, got {scope!r}")
-    weights = fuse_model_weights(model)
-    fields = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
-    del weights
     modules = {layer.layer_idx: layer for block in (model.model.shared_block, model.model.text_block,
                                                     model.model.audio_block) for layer in block.layers}
     blocks = ("shared",) if scope == "shared" else ("shared", "text", "audio")
+    target = None if device is None else torch.device(device)
+    if target is not None:
+        _move_all_but_quantized(model, scope, blocks, target)
+    weights = fuse_model_weights(model)  # on the CPU for the matrices still there
+    fields = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
+    del weights
+
+    def quantize(w: torch.Tensor) -> Weight:
+        return quantize_weight(w if target is None else w.to(target))
+
     for block in blocks:
         layers: list[LayerWeights] = list(fields.pop(block))
         for i in range(len(layers)):
             layer = layers[i]
-            layers[i] = dataclasses.replace(layer, **{k: quantize_weight(w) for k, w in layer.matrices().items()})
+            layers[i] = dataclasses.replace(layer, **{k: quantize(w) for k, w in layer.matrices().items()})
             attn, mlp = modules[layer.layer_idx].self_attn, modules[layer.layer_idx].mlp
             for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                            mlp.down_proj):
-                _release(linear)
+                _release(linear, target)
             del layer
         fields[block] = tuple(layers)
     if scope == "all":
         for name, linear in (("text_head", model.text_lm_head), ("audio_head", model.audio_lm_head)):
-            fields[name] = quantize_weight(fields.pop(name))
-            _release(linear)
+            fields[name] = quantize(fields.pop(name))
+            _release(linear, target)
     if fields["embed_text"].is_cuda:
         torch.cuda.empty_cache()
     return FusedWeights(**fields)
 
 
-def _release(linear: nn.Linear) -> None:
-    linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+def _quantized_linears(model: MossSpeechForCausalLM, scope: str, blocks: tuple[str, ...]) -> list[nn.Linear]:
+    """The linear layers whose matrices `scope` quantizes."""
+    out: list[nn.Linear] = []
+    for block in blocks:
+        for layer in getattr(model.model, f"{block}_block").layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if scope == "all":
+        out += [model.text_lm_head, model.audio_lm_head]
+    return out
+
+
+def _move_all_but_quantized(model: MossSpeechForCausalLM, scope: str, blocks: tuple[str, ...],
+                            target: torch.device) -> None:
+    """Every parameter and buffer to `target`, except the weights of the linears `scope` quantizes."""
+    skip = {id(linear.weight) for linear in _quantized_linears(model, scope, blocks)}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in skip and param.device != target:
+                setattr(module, name, nn.Parameter(param.detach().to(target), requires_grad=False))
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.device != target:
+                module._buffers[name] = buf.to(target)
+
+
+def _release(linear: nn.Linear, device: torch.device | None = None) -> None:
+    """Empty the linear's weight (on `device` when given, so the model reports the device it runs on)."""
+    empty = torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device if device is None else device)
+    linear.weight = nn.Parameter(empty, requires_grad=False)

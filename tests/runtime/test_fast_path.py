@@ -247,6 +247,49 @@ def test_quantize_model_in_place_releases_bf16_and_matches_with_fp8() -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("scope", ["shared", "all"])
+def test_staged_quantization_moves_everything_but_the_matrices_it_quantizes(scope: str) -> None:
+    """With a target device, quantize_model_in_place first moves every tensor that stays in its dtype (here to
+    the meta device, so the selection is visible): exactly the linears of `scope` wait on the host, to go to
+    the device one matrix at a time. Then, staged onto the same device, the result equals the unstaged one."""
+    from runtime.fused import _move_all_but_quantized
+
+    model = build_model(CONFIG, seed=3)
+    blocks = ("shared",) if scope == "shared" else ("shared", "text", "audio")
+    _move_all_but_quantized(model, scope, blocks, torch.device("meta"))
+    on_host = {name for name, p in model.named_parameters() if p.device.type == "cpu"}
+    want = {f"model.{block}_block.layers.{i}.{part}.weight" for block in blocks for i in range(2)
+            for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    if scope == "all":
+        want |= {"text_lm_head.weight", "audio_lm_head.weight"}
+    assert on_host == want
+    assert all(b.device.type == "meta" for b in model.buffers())
+
+    plain = quantize_model_in_place(build_model(CONFIG, seed=3), scope)
+    staged_model = build_model(CONFIG, seed=3)
+    staged = quantize_model_in_place(staged_model, scope, "cpu")
+    for a, b in zip((*plain.shared, *plain.text, *plain.audio), (*staged.shared, *staged.text, *staged.audio),
+                    strict=True):
+        for name, w in a.matrices().items():
+            v = b.matrices()[name]
+            assert type(v) is type(w)
+            if isinstance(w, Fp8Weight):
+                assert torch.equal(v.weight.view(torch.uint8), w.weight.view(torch.uint8)) and torch.equal(v.scale, w.scale)
+            else:
+                assert torch.equal(v, w)
+    assert staged_model.model.shared_block.layers[0].self_attn.q_proj.weight.numel() == 0
+
+
+def test_engine_stages_fp8_checkpoints_on_gpus_only() -> None:
+    from runtime.engine import EngineConfig, _stages_fp8
+
+    assert _stages_fp8(EngineConfig(device="cuda", fast_path=True, fp8_scope="all"))
+    assert _stages_fp8(EngineConfig(device="cuda:1", fast_path=True, fp8_scope="shared"))
+    assert not _stages_fp8(EngineConfig(device="cuda", fast_path=True))
+    assert not _stages_fp8(EngineConfig(device="cpu", fast_path=True, fp8_scope="all"))
+
+
 def test_engine_fp8_option() -> None:
     from runtime.engine import EngineConfig, EngineCore
     from runtime.request import GenerationRequest

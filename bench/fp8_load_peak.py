@@ -1,0 +1,86 @@
+"""Device memory peak of loading a checkpoint with FP8 weights: staged through host memory (each matrix on the
+GPU only to be quantized) against the whole bf16 model on the GPU first, in one run.
+
+    python bench/fp8_load_peak.py --save /tmp/ckpt-full          # once: the full shape, random bf16 weights
+    python bench/fp8_load_peak.py --load /tmp/ckpt-full --staged 1 --out staged.json
+    python bench/fp8_load_peak.py --load /tmp/ckpt-full --staged 0 --out resident.json
+
+Each --load runs in its own process and builds an EngineCore (fast path, `fp8_scope`, 1 GiB of KV cache, no
+start-up product check), then prints one JSON line: torch's peak allocation and reservation during the
+build, the build time, and a checksum of the FP8 weights and scales (equal between the two modes: the same
+numbers quantized on the same GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.fast_tools import emit
+from runtime import engine as engine_mod
+from runtime.config import ModelConfig
+from runtime.fp8 import Fp8Weight
+from runtime.model import build_model
+from runtime.weights import save_checkpoint
+
+GIB = 2**30
+
+
+def checksum(weights) -> dict:
+    total, scales, count = 0, 0.0, 0
+    matrices = [w for layer in (*weights.shared, *weights.text, *weights.audio) for w in layer.matrices().values()]
+    for w in [*matrices, weights.text_head, weights.audio_head]:
+        if isinstance(w, Fp8Weight):
+            total += int(w.weight.view(torch.uint8).sum(dtype=torch.int64))
+            scales += float(w.scale.double().sum())
+            count += 1
+    return {"fp8_matrices": count, "byte_sum": total, "scale_sum": scales}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save", type=Path, default=None)
+    p.add_argument("--load", type=Path, default=None)
+    p.add_argument("--staged", type=int, default=1)
+    p.add_argument("--scope", default="all")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.save is not None:
+        model = build_model(ModelConfig.preset("full"), seed=0, device="cuda", dtype=torch.bfloat16)
+        save_checkpoint(model, args.save)
+        print(f"saved {args.save}", file=sys.stderr)
+        return
+    if not args.staged:
+        engine_mod._stages_fp8 = lambda config: False  # the whole bf16 model on the GPU first, as before
+    config = engine_mod.EngineConfig(model=str(args.load), device="cuda", fast_path=True, fp8_scope=args.scope,
+                                     kv_cache_bytes=GIB, max_model_len=2048, check_matmuls=False)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    core = engine_mod.EngineCore.from_config(config)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    weights = core.runner.fast.weights
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "staged": bool(args.staged),
+        "scope": args.scope,
+        "build_s": round(build_s, 1),
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
+        "allocated_after_gib": round(torch.cuda.memory_allocated() / GIB, 3),
+        "matrix_gib": round(weights.matrix_bytes() / GIB, 3),
+        "model_params_on": sorted({str(q.device) for q in core.runner.model.parameters()}),
+        **checksum(weights),
+    }
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
