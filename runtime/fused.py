@@ -201,9 +201,7 @@ def quantize_model_in_place(
         for i in range(len(layers)):
             layer = layers[i]
             layers[i] = dataclasses.replace(layer, **{k: quantize(w) for k, w in layer.matrices().items()})
-            attn, mlp = modules[layer.layer_idx].self_attn, modules[layer.layer_idx].mlp
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                           mlp.down_proj):
+            for linear in _layer_linears(modules[layer.layer_idx]):
                 _release(linear, target)
             del layer
         fields[block] = tuple(layers)
@@ -218,14 +216,17 @@ def quantize_model_in_place(
 
 def _quantized_linears(model: MossSpeechForCausalLM, scope: str, blocks: tuple[str, ...]) -> list[nn.Linear]:
     """The linear layers whose matrices `scope` quantizes."""
-    out: list[nn.Linear] = []
-    for block in blocks:
-        for layer in getattr(model.model, f"{block}_block").layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    out = [linear for block in blocks for layer in getattr(model.model, f"{block}_block").layers
+           for linear in _layer_linears(layer)]
     if scope == "all":
         out += [model.text_lm_head, model.audio_lm_head]
     return out
+
+
+def _layer_linears(layer: DecoderLayer) -> list[nn.Linear]:
+    """A decoder layer's seven projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
 
 
 def _move_all_but_quantized(model: MossSpeechForCausalLM, scope: str, blocks: tuple[str, ...],
