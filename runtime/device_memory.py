@@ -11,9 +11,15 @@ from __future__ import annotations
 import torch
 
 
+def indexed_cuda_device(device: str | torch.device) -> torch.device:
+    """A CUDA device with its index filled in: the current one when `device` names none ("cuda")."""
+    device = torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _index_and_total(device: torch.device) -> tuple[int, int]:
     """A CUDA device's index (the current one when `device` names none) and its memory in bytes."""
-    index = torch.cuda.current_device() if device.index is None else device.index
+    index = indexed_cuda_device(device).index
     return index, torch.cuda.get_device_properties(index).total_memory
 
 

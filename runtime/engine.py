@@ -22,7 +22,7 @@ from torch import nn
 
 from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
-from runtime.device_memory import cap_device_memory, capped_free_bytes
+from runtime.device_memory import cap_device_memory, capped_free_bytes, indexed_cuda_device
 from runtime.errors import EngineError, InvalidRequestError
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
@@ -271,12 +271,6 @@ def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
     return load_pretrained(config.model, device=where, dtype=config.torch_dtype, debug_checks=config.debug_checks)
 
 
-def _cuda_device(name: str) -> torch.device:
-    """`name` with its index filled in (the current device when it has none)."""
-    index = torch.device(name).index
-    return torch.device("cuda", torch.cuda.current_device() if index is None else index)
-
-
 def _stages_fp8(config: EngineConfig) -> bool:
     """Whether a checkpoint is loaded into host memory and quantized onto the device layer by layer."""
     return config.fp8_scope is not None and config.fast_path and torch.device(config.device).type == "cuda"
@@ -302,7 +296,7 @@ class EngineCore:
 
             staged = None  # a checkpoint held on the host for FP8 (load_model): quantized onto the GPU
             if _stages_fp8(config) and device.type == "cpu":
-                device = staged = _cuda_device(config.device)
+                device = staged = indexed_cuda_device(config.device)
             weights = (quantize_model_in_place(model, config.fp8_scope, staged)
                        if config.fp8_scope is not None else fuse_model_weights(model))
         self.matmul_checks: list[ProductCheck] = []  # the start-up check's products (empty: it did not run)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from runtime.config import ModelConfig
+from runtime.device_memory import indexed_cuda_device
 from runtime.model import MossSpeechForCausalLM, build_meta_model, set_parameter
 from runtime.tokenizer import Tokenizer
 
@@ -74,9 +75,7 @@ def _checkpoint_files(path: Path) -> dict[str, list[str]]:
 
 
 def _safetensors_device(device: torch.device) -> str:
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
+    return str(indexed_cuda_device(device) if device.type == "cuda" else device)
 
 
 def load_pretrained(
