@@ -219,18 +219,21 @@ def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]
 
 def _check_gemv(device: torch.device, **shape: int) -> list[dict]:
     """One-row fused GEMV (runtime/kernels/gemv.py) vs the separate PyTorch ops + F.linear, in each fold mode
-    (OPTIONS["fold"]; "table" as serving runs it: these shapes fall back to the table's default tile)."""
+    (OPTIONS["fold"]; "table" as serving runs it: these shapes fall back to the table's default tile) and
+    each way of reading the RMSNorm's row (OPTIONS["prologue"]; named when not "loop")."""
     from runtime.kernels import gemv as gemv_mod
 
     out: list[dict] = []
-    before = gemv_mod.OPTIONS["fold"]
+    before = dict(gemv_mod.OPTIONS)
     try:
         for mode in (0, 1, 2, "table"):
-            gemv_mod.OPTIONS["fold"] = mode
-            for c in _check_gemv_mode(device, **shape):
-                out.append(c | {"kernel": c["kernel"].replace("gemv(", f"gemv(fold={mode}, ", 1)})
+            for prologue in gemv_mod.PROLOGUES:
+                gemv_mod.OPTIONS.update(fold=mode, prologue=prologue)
+                label = f"fold={mode}, " + ("" if prologue == "loop" else f"prologue={prologue}, ")
+                for c in _check_gemv_mode(device, **shape):
+                    out.append(c | {"kernel": c["kernel"].replace("gemv(", f"gemv({label}", 1)})
     finally:
-        gemv_mod.OPTIONS["fold"] = before
+        gemv_mod.OPTIONS.update(before)
     return out
 
 

@@ -44,7 +44,16 @@ import triton
 from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import quantize_weight
-from runtime.kernels.gemv import NONE, OPTIONS, RMSNORM, SILU_MUL, _gemv_kernel, gemv, gemv_tile
+from runtime.kernels.gemv import (
+    NONE,
+    OPTIONS,
+    RMSNORM,
+    SILU_MUL,
+    _gemv_kernel,
+    gemv,
+    gemv_tile,
+    prologue_launch,
+)
 
 MATRICES = {"qkv": (6144, 4096, RMSNORM), "o": (4096, 4096, NONE), "gate_up": (24576, 4096, RMSNORM),
             "down": (4096, 12288, SILU_MUL), "text_head": (151680, 4096, RMSNORM),
@@ -81,7 +90,8 @@ def launch(x, res, nw, res_out, w, scale, out, prologue, bn, bk, warps, fold):
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, res, nw, res_out, w, scale if scale is not None else w, out, n, k, 1e-6,
         PROLOGUE=prologue, HAS_RES=prologue == RMSNORM, HAS_SCALE=scale is not None, USE_PDL=False,
-        BLOCK_N=bn, BLOCK_K=bk, FOLD=fold, num_warps=warps, num_stages=1)
+        BLOCK_N=bn, BLOCK_K=bk, FOLD=fold, num_warps=warps, num_stages=1,
+        **prologue_launch(prologue, k, w.element_size()))
 
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4),

@@ -5,7 +5,8 @@ out[N] = prologue(x) @ W.T, W [N, K] bf16 or FP8 (then times a per-row scale). P
 - RMSNORM: rmsnorm(x) * norm_w, or rmsnorm(x + res) * norm_w with the sum also written (program 0), so
   the residual add and the RMSNorm cost no launch of their own.
 - SILU_MUL: x = [gate, up] of length 2K; silu(gate) * up.
-Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
+The RMSNorm prologue first reads the whole row for its sum of squares (OPTIONS["prologue"]), then each
+weight tile's slice of x again. Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
 rows with wide loads (no tensor cores: one row of x).
 Under PDL (runtime/kernels/__init__.py) a program may be scheduled while the previous kernel runs.
 
@@ -63,7 +64,16 @@ TILES = {
 # "fold" selects the accumulator (module docstring): 0 none (tiles from TILES), 1 across the tile, 2 within
 # each thread's 16-byte vectors only, or "table": each matrix's mode from TILES_FOLD. bench/gemv_tune.py
 # times the step each way.
-OPTIONS: dict[str, int | str] = {"fold": "table"}
+# "prologue" (RMSNORM only): how the norm's sum of squares reads x (and the residual). "loop": in BLOCK_K
+# steps, one dependent load per step (the kernel before the twenty-ninth session); "whole": the whole row
+# with one load (K a power of two up to MAX_WHOLE_K); "whole_w": also the first weight tile's load issued
+# before that read, so both are in flight together; "auto" (the default): "whole_w" for bf16 weights and
+# "whole" for FP8, the faster of the three for each in the captured one-stream step (same-process A/B, six
+# interleaved rounds, medians: bf16 4.527 / 4.582 / 4.477 ms, FP8 2.738 / 2.727 / 2.838 ms for loop /
+# whole / whole_w; logits identical: bench/results/gemv-prologue-h200/).
+OPTIONS: dict[str, int | str] = {"fold": "table", "prologue": "auto"}
+PROLOGUES = ("loop", "whole", "whole_w", "auto")
+MAX_WHOLE_K = 8192
 
 
 # Tiles and fold modes (BLOCK_N, BLOCK_K, warps, fold) of the folded kernel (the default), for the FP8 and
@@ -112,10 +122,43 @@ def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _x_tile(x_ptr, res_ptr, nw_ptr, k, K, rstd, act_ty: tl.constexpr, PROLOGUE: tl.constexpr,
+            HAS_RES: tl.constexpr):
+    """The prologue's x at columns k, float32 (rounded to the activation type as the eager ops round)."""
+    if PROLOGUE == 0:
+        xv = tl.load(x_ptr + k).to(tl.float32)
+    elif PROLOGUE == 1:
+        xs = tl.load(x_ptr + k)
+        if HAS_RES:
+            xs = (xs.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
+        y = (xs.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
+        xv = (tl.load(nw_ptr + k).to(tl.float32) * y).to(act_ty).to(tl.float32)
+    else:
+        g = tl.load(x_ptr + k).to(tl.float32)
+        u = tl.load(x_ptr + K + k).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
+        xv = (a * u).to(act_ty).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _accumulate(acc, w, xv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                FOLD: tl.constexpr):
+    if FOLD == 1:
+        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    elif FOLD == 2:
+        acc += tl.sum(tl.reshape(w.to(tl.float32) * xv[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
+    else:
+        acc += w.to(tl.float32) * xv[None, :]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, N, K, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, WHOLE_K: tl.constexpr,
+    FIRST_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -126,20 +169,32 @@ def _gemv_kernel(
     # these pointers it wins, 2.83 vs 3.02: bench/results/gemv-fold-h200/)
     w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
     pdl_enter(USE_PDL)
+    if FIRST_W:  # the first tile's load in flight while the norm's row is read (OPTIONS "whole_w")
+        w_first = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
     act_ty = x_ptr.dtype.element_ty
     rstd = 0.0
     if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tile
-            xv = tl.load(x_ptr + k)
+        if WHOLE_K > 0:  # the whole row in one load (OPTIONS "whole")
+            kk = tl.arange(0, WHOLE_K)
+            row = tl.load(x_ptr + kk)
             if HAS_RES:
-                xv = (xv.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
+                row = (row.to(tl.float32) + tl.load(res_ptr + kk).to(tl.float32)).to(act_ty)
                 if pid == 0:
-                    tl.store(res_out_ptr + k, xv)
-            xf = xv.to(tl.float32)
-            ss += xf * xf
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+                    tl.store(res_out_ptr + kk, row)
+            rowf = row.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+        else:
+            ss = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tile
+                xv = tl.load(x_ptr + k)
+                if HAS_RES:
+                    xv = (xv.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
+                    if pid == 0:
+                        tl.store(res_out_ptr + k, xv)
+                xf = xv.to(tl.float32)
+                ss += xf * xf
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-byte load
     if FOLD == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
@@ -147,30 +202,17 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tile
+    start = 0
+    if FIRST_W:
+        acc = _accumulate(acc, w_first, _x_tile(x_ptr, res_ptr, nw_ptr, tile, K, rstd, act_ty, PROLOGUE, HAS_RES),
+                          BLOCK_N, BLOCK_K, VEC, FOLD)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         # the weight load first: issued before the prologue's math, whose latency it then covers (the
         # other order: 3.71 vs 3.47 ms in an FP8 step, bench/results/gemv-fp8-unpack-h200/)
         w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
-        if PROLOGUE == 0:
-            xv = tl.load(x_ptr + k).to(tl.float32)
-        elif PROLOGUE == 1:
-            xs = tl.load(x_ptr + k)
-            if HAS_RES:
-                xs = (xs.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
-            y = (xs.to(tl.float32) * rstd).to(act_ty).to(tl.float32)
-            xv = (tl.load(nw_ptr + k).to(tl.float32) * y).to(act_ty).to(tl.float32)
-        else:
-            g = tl.load(x_ptr + k).to(tl.float32)
-            u = tl.load(x_ptr + K + k).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
-            xv = (a * u).to(act_ty).to(tl.float32)
-        if FOLD == 1:
-            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-        elif FOLD == 2:
-            acc += tl.sum(tl.reshape(w.to(tl.float32) * xv[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
-        else:
-            acc += w.to(tl.float32) * xv[None, :]
+        xv = _x_tile(x_ptr, res_ptr, nw_ptr, k0 + tile, K, rstd, act_ty, PROLOGUE, HAS_RES)
+        acc = _accumulate(acc, w, xv, BLOCK_N, BLOCK_K, VEC, FOLD)
     if FOLD == 1:
         out = acc
     else:
@@ -178,6 +220,19 @@ def _gemv_kernel(
     if HAS_SCALE:
         out = out * tl.load(s_ptr + n, mask=nmask, other=0.0)
     tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def prologue_launch(prologue: int, k_dim: int, elem_bytes: int) -> dict[str, int | bool]:
+    """WHOLE_K and FIRST_W for a launch under OPTIONS["prologue"] (see OPTIONS) on weights of `elem_bytes`
+    bytes: the whole-row read applies to the RMSNorm prologue over a power-of-two K up to MAX_WHOLE_K,
+    else the loop runs."""
+    mode = OPTIONS["prologue"]
+    if mode not in PROLOGUES:
+        raise ValueError(f"OPTIONS['prologue'] must be one of {PROLOGUES}, got {mode!r}")
+    if mode == "auto":
+        mode = "whole_w" if elem_bytes >= 2 else "whole"
+    whole = mode != "loop" and prologue == RMSNORM and k_dim <= MAX_WHOLE_K and k_dim & (k_dim - 1) == 0
+    return {"WHOLE_K": k_dim if whole else 0, "FIRST_W": whole and mode == "whole_w"}
 
 
 def gemv(
@@ -205,6 +260,7 @@ def gemv(
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
         PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        FOLD=fold, num_warps=warps, num_stages=1, **pdl_args(),
+        FOLD=fold, num_warps=warps, num_stages=1, **prologue_launch(prologue, k_dim, weight.element_size()),
+        **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

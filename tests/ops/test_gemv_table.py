@@ -49,3 +49,26 @@ def test_matrices_outside_the_table_get_a_tile_of_their_kind() -> None:
     gemv.OPTIONS["fold"] = "sometimes"
     with pytest.raises(AssertionError):
         gemv.gemv_tile(2, 3072, 4096)
+
+
+def test_prologue_launch_reads_the_norm_row_whole_per_weight_type() -> None:
+    """"auto": bf16 weights read the row whole with the first tile's load ahead of it, FP8 weights the row
+    whole alone; the other modes as named; only the RMSNorm prologue over a power-of-two K up to
+    MAX_WHOLE_K reads whole, everything else loops."""
+    assert gemv.OPTIONS["prologue"] == "auto"
+    assert gemv.prologue_launch(gemv.RMSNORM, 4096, 2) == {"WHOLE_K": 4096, "FIRST_W": True}
+    assert gemv.prologue_launch(gemv.RMSNORM, 4096, 1) == {"WHOLE_K": 4096, "FIRST_W": False}
+    assert gemv.prologue_launch(gemv.RMSNORM, 4096, 4) == {"WHOLE_K": 4096, "FIRST_W": True}  # float32 checks
+    for prologue in (gemv.NONE, gemv.SILU_MUL):
+        assert gemv.prologue_launch(prologue, 4096, 2) == {"WHOLE_K": 0, "FIRST_W": False}
+    assert gemv.prologue_launch(gemv.RMSNORM, 12288, 2) == {"WHOLE_K": 0, "FIRST_W": False}  # not a power of two
+    assert gemv.prologue_launch(gemv.RMSNORM, 2 * gemv.MAX_WHOLE_K, 1) == {"WHOLE_K": 0, "FIRST_W": False}
+    assert gemv.prologue_launch(gemv.RMSNORM, gemv.MAX_WHOLE_K, 1) == {"WHOLE_K": gemv.MAX_WHOLE_K, "FIRST_W": False}
+    expected = {"loop": (0, False), "whole": (4096, False), "whole_w": (4096, True)}
+    for mode, (whole_k, first_w) in expected.items():
+        gemv.OPTIONS["prologue"] = mode
+        for elem in (1, 2):
+            assert gemv.prologue_launch(gemv.RMSNORM, 4096, elem) == {"WHOLE_K": whole_k, "FIRST_W": first_w}
+    gemv.OPTIONS["prologue"] = "whole_x"
+    with pytest.raises(ValueError, match="prologue"):
+        gemv.prologue_launch(gemv.RMSNORM, 4096, 2)

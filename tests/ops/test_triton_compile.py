@@ -63,11 +63,17 @@ SNAKE_SIG = _ptrs("x_ptr y_ptr alpha_ptr beta_ptr") | {"hu_ptr": "*fp32", "hd_pt
 CASES = [
     *[(f"gemv[{w[1:]},prologue={p},fold={fold}]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": w},
        {"PROLOGUE": p, "HAS_RES": p == gemv.RMSNORM, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
-        "FOLD": fold})
+        "FOLD": fold, "WHOLE_K": 0, "FIRST_W": False})
       for w in ("*bf16", "*fp8e4nv") for p in (gemv.NONE, gemv.RMSNORM, gemv.SILU_MUL) for fold in (0, 1, 2)],
+    # the RMSNorm's row read whole (OPTIONS["prologue"] "whole", and "whole_w" with the first tile early)
+    *[(f"gemv[{w[1:]},whole_k,first_w={first}]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": w},
+       {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
+        "FOLD": 2, "WHOLE_K": 4096, "FIRST_W": first})
+      for w in ("*bf16", "*fp8e4nv") for first in (False, True)],
     # float32 weights: the engine's float32 checks run the GEMV on them (a 16-byte vector is 4 of them)
     ("gemv[fp32,fold=2]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": "*fp32"},
-     {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 2}),
+     {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 2,
+      "WHOLE_K": 0, "FIRST_W": False}),
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
     ("qk_norm_rope_store", elementwise._qk_norm_rope_store_kernel,
@@ -140,7 +146,7 @@ def test_gemv_folds_each_tile_with_the_same_loads_and_products(weight: str, load
     summed across the threads in the loop (butterfly shuffles there); unfolded (0) or folded within each
     thread's vectors (2), only once after it."""
     constexprs = {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": weight == "*fp8e4nv", "BLOCK_N": 8,
-                  "BLOCK_K": 512, "USE_PDL": False}
+                  "BLOCK_K": 512, "USE_PDL": False, "WHOLE_K": 0, "FIRST_W": False}
     aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
     sig = GEMV_SIG | {"w_ptr": weight}
     for fold in (0, 1, 2):
@@ -152,6 +158,30 @@ def test_gemv_folds_each_tile_with_the_same_loads_and_products(weight: str, load
         assert ops["ld.global.v4.b32"] == loads and _opcodes(loop)["ld.global.v4.b32"] == loads
         assert ops["fma.rn.f32"] + ops.get("mul.f32", 0) >= 32  # folded, a tile's first product is a mul
         assert ("shfl.sync.bfly.b32" in _opcodes(loop)) == (fold == 1)
+
+
+@pytest.mark.parametrize("first_w", [False, True])
+def test_gemv_whole_row_prologue_reads_the_row_outside_any_loop(first_w: bool) -> None:
+    """With WHOLE_K the RMSNorm's row (x and the residual, 4096 bf16 over 128 threads: 32 each, 4 + 4
+    16-byte loads) is read before the weight loop, in no loop of its own: the PTX has one loop, the weight
+    loop, with the tile's 4 16-byte loads and 8-byte loads of x, the residual and the norm weight per
+    thread and step. The row loop of the default prologue is the other loop(s) of `looped`. With FIRST_W the
+    first tile's 4 loads (masked by the row bound) come first after the PDL wait, then the row's 8, then the
+    first step's x loads, the loop starting one tile later."""
+    constexprs = {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512,
+                  "USE_PDL": True, "FOLD": 2}
+    aligned = ("x_ptr", "res_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K")
+    whole = _ptx(gemv._gemv_kernel, GEMV_SIG, constexprs | {"WHOLE_K": 4096, "FIRST_W": first_w}, HOPPER, aligned)
+    looped = _ptx(gemv._gemv_kernel, GEMV_SIG, constexprs | {"WHOLE_K": 0, "FIRST_W": False}, HOPPER, aligned)
+    assert whole.count("Inner Loop Header") == 1 and looped.count("Inner Loop Header") > 1
+    label = re.findall(r"^(\$L__BB\d+_\d+):", whole[:whole.index("Inner Loop Header")], re.MULTILINE)[-1]
+    start = whole.index(f"{label}:")
+    loop = _opcodes(whole[start:whole.index(f"bra \t{label};", start)])
+    assert (loop["ld.global.v4.b32"], loop["ld.global.v2.b32"]) == (4, 3)
+    before = whole[whole.index("griddepcontrol.wait"):start]
+    loads = re.findall(r"^\s*(@%p\d+ )?ld\.global\.(v\d)\.b32", before, re.MULTILINE)
+    row = [("", "v4")] * 8
+    assert loads == ([("@%p1 ", "v4")] * 4 + row + [("", "v2")] * 3 if first_w else row)
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
