@@ -122,6 +122,19 @@ def gemv_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _row_squares(x_ptr, res_ptr, res_out_ptr, k, pid, act_ty: tl.constexpr, HAS_RES: tl.constexpr):
+    """The RMSNorm's row at columns k squared in float32: x, or x + the residual rounded to the activation
+    type (that sum stored by program 0 as the next residual)."""
+    xv = tl.load(x_ptr + k)
+    if HAS_RES:
+        xv = (xv.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
+        if pid == 0:
+            tl.store(res_out_ptr + k, xv)
+    xf = xv.to(tl.float32)
+    return xf * xf
+
+
+@triton.jit
 def _x_tile(x_ptr, res_ptr, nw_ptr, k, K, rstd, act_ty: tl.constexpr, PROLOGUE: tl.constexpr,
             HAS_RES: tl.constexpr):
     """The prologue's x at columns k, float32 (rounded to the activation type as the eager ops round)."""
@@ -175,26 +188,12 @@ def _gemv_kernel(
     rstd = 0.0
     if PROLOGUE == 1:
         if WHOLE_K > 0:  # the whole row in one load (OPTIONS "whole")
-            kk = tl.arange(0, WHOLE_K)
-            row = tl.load(x_ptr + kk)
-            if HAS_RES:
-                row = (row.to(tl.float32) + tl.load(res_ptr + kk).to(tl.float32)).to(act_ty)
-                if pid == 0:
-                    tl.store(res_out_ptr + kk, row)
-            rowf = row.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+            ss = _row_squares(x_ptr, res_ptr, res_out_ptr, tl.arange(0, WHOLE_K), pid, act_ty, HAS_RES)
         else:
             ss = tl.zeros([BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k = k0 + tile
-                xv = tl.load(x_ptr + k)
-                if HAS_RES:
-                    xv = (xv.to(tl.float32) + tl.load(res_ptr + k).to(tl.float32)).to(act_ty)
-                    if pid == 0:
-                        tl.store(res_out_ptr + k, xv)
-                xf = xv.to(tl.float32)
-                ss += xf * xf
-            rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+                ss += _row_squares(x_ptr, res_ptr, res_out_ptr, k0 + tile, pid, act_ty, HAS_RES)
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 16-byte load
     if FOLD == 1:
         acc = tl.zeros([BLOCK_N], tl.float32)
