@@ -46,7 +46,12 @@ INT_OPTIONS = ("pdl_max_rows",)
 BOOL_OPTIONS = ("parallel_tails", "fused_rope")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
-KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two")}
+# OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
+# (attn_dynamic_parts 1 / 0: partitions of each sequence's context or of the table's span)
+KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
+                  "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
+                  "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
+                  "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below")}
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -59,8 +64,11 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
-        options[key] = (int(value) if key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit())
-                        else value == "1" if key in BOOL_OPTIONS or key == "attn_split_two" else value)
+        options[key] = (None if key == "attn_max_parts" and value == "none"
+                        else int(value) if key in INT_OPTIONS or key in ("attn_max_parts", "attn_split_two_below")
+                        or (key == "gemv_fold" and value.isdigit())
+                        else value == "1" if key in BOOL_OPTIONS or key in ("attn_split_two", "attn_dynamic_parts")
+                        else value)
     return parts[0], int(parts[1]), options
 
 
@@ -68,6 +76,8 @@ def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", action="append", required=True, help="weights/batch/options (repeat)")
     p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="block-table width of the graphs (default: context + 64); serving's configs use 4096")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", type=Path, default=None)
@@ -77,7 +87,8 @@ def main(argv: list[str]) -> dict:
     device = torch.device("cuda")
     result: dict = {"bench": "decode_ab", "command": shlex.join(["python", "bench/decode_ab.py", *argv]),
                     "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                    "copy_gbps": round(copy_bandwidth_gbps(device), 1), "context_len": args.context_len}
+                    "copy_gbps": round(copy_bandwidth_gbps(device), 1), "context_len": args.context_len,
+                    "max_model_len": args.max_model_len or args.context_len + 64}
     batches = sorted({s[1] for s in specs})
     setup = DecodeSetup(batches, args.context_len, fp8=any(s[0] == "fp8" for s in specs))
     config, weights, cache, inputs, ctx = setup.config, setup.weights, setup.cache, setup.inputs, setup.context_len
@@ -86,14 +97,17 @@ def main(argv: list[str]) -> dict:
 
     runners, logits, rows = [], [], []
     for text, (w, b, options) in zip(args.variant, specs, strict=True):
+        options = dict(options)
+        fallback = options.pop("ops_fallback", "")  # ops run on PyTorch in this variant, "+"-separated
+        variant_ops = TritonOps(fallback=fallback.split("+")) if fallback else ops
         kernel_options = [(KERNEL_OPTIONS[k], v) for k, v in options.items() if k in KERNEL_OPTIONS]
         before = [(table, key, table[key]) for (table, key), _ in kernel_options]
         for (table, key), value in kernel_options:
             table[key] = value
         try:
             runner = DecodeGraphRunner(
-                FastForward(weights[w], ops, **{k: v for k, v in options.items() if k not in KERNEL_OPTIONS}),
-                cache, max_model_len=ctx + 64, buckets=[b])
+                FastForward(weights[w], variant_ops, **{k: v for k, v in options.items() if k not in KERNEL_OPTIONS}),
+                cache, max_model_len=args.max_model_len or ctx + 64, buckets=[b])
             runner.capture()
         finally:
             for table, key, value in before:

@@ -54,8 +54,12 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     gmask = g < GROUP
     heads = kvh * GROUP + g  # [GP]
-    start = part * PART
-    end = tl.minimum(seq_len, start + PART)
+    if PART > 0:  # partitions of the block table's span (the keys past seq_len leave the last ones empty)
+        part_len = PART
+    else:  # the sequence's own keys spread over the partitions, in whole key tiles
+        part_len = tl.cdiv(tl.cdiv(seq_len, NUM_PARTS), BLOCK_N) * BLOCK_N
+    start = part * part_len
+    end = tl.minimum(seq_len, start + part_len)
     if STORE_ONLY:  # the row's K/V store alone (FUSE_ROPE): no keys are read, nothing is written to out
         end = start
     if FUSE_ROPE:
@@ -73,7 +77,7 @@ def _decode_kernel(
         q, _q_raw = rms_rope(q_rows + d[None, :], q_rows + partner[None, :], gmask[:, None],
                              tl.load(qw_ptr + d)[None, :], tl.load(qw_ptr + partner)[None, :], cos, sin, d, eps,
                              HEAD_DIM)  # [GP, D]
-        if (seq_len - 1 >= start) & (seq_len - 1 < start + PART):
+        if (seq_len - 1 >= start) & (seq_len - 1 < start + part_len):
             slot = tl.load(slot_ptr + seq).to(tl.int64)
             if slot >= 0:
                 k_row = row_ptr + (num_heads + kvh) * HEAD_DIM
@@ -151,7 +155,22 @@ TARGET_PROGRAMS = 512
 # 512 keys 16.0 against 21.2 us, 24 x 512 22.0 against 25.8 us; at 32 a tie, at 48 slower (2 or 4 partitions;
 # bench/results/decode-attention-tune-h200/tune-split-h200.json).
 SPLIT_TWO_BELOW = 256
-OPTIONS = {"split_two": True}  # measured choices a benchmark can switch off while it captures (bench/decode_ab.py)
+# Measured choices a benchmark can switch while it captures (bench/decode_ab.py): "split_two" (above);
+# "dynamic_parts": split keys spread each sequence's own context over its partitions, in whole key tiles
+# (False, the kernel before the twenty-ninth session: the partitions cut the block table's span, which in a
+# graph is max_model_len wide, so a shorter context left the last partitions empty and unbalanced the
+# first: 2 partitions of a 1024-key table over 513 keys held 512 and 1). Interleaved in the captured whole
+# step, 512-token context (bench/results/decode-partitions-h200/): with a 4096-key table (serving's
+# max_model_len) 1 stream FP8 2.736 -> 2.688 ms, bf16 4.503 -> 4.442, 4 streams 5.437 -> 5.212, 8 streams
+# 5.981 -> 5.456, 16 streams 5.671 -> 5.434, 24 streams 5.848 -> 5.653; with a 1024-key table 1-8 streams
+# within 1.5% (faster or even), 16 / 24 streams 5.583 -> 5.417 / 5.754 -> 5.627.
+# "max_parts": at most this many partitions per sequence: with dynamic partitions the table's width no longer
+# spreads the keys, so more partitions only add empty programs and a longer merge (1 stream, 513 keys:
+# 16 partitions FP8 2.648 / bf16 4.385 ms in a 1024-key table against 64 partitions 2.688 / 4.442 in a
+# 4096-key one; 8 partitions lost at 4 streams, 5.392 against 5.195 ms). None: no cap.
+# "split_two_below": programs under which keys split in 2 (None: SPLIT_TWO_BELOW).
+OPTIONS: dict[str, bool | int | None] = {"split_two": True, "max_parts": 16, "dynamic_parts": True,
+                                         "split_two_below": None}
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
 # 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
@@ -169,8 +188,11 @@ def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
     (SPLIT_TWO_BELOW), else enough partitions for ~TARGET_PROGRAMS programs, none shorter than one key tile."""
     programs = batch * num_kv_heads
     most = max(1, math.ceil(max_context / BLOCK_N_DECODE))
+    if OPTIONS["max_parts"] is not None:
+        most = min(most, int(OPTIONS["max_parts"]))
     if programs >= SPLIT_BELOW:
-        return 2 if OPTIONS["split_two"] and programs < SPLIT_TWO_BELOW and most >= 2 else 1
+        below = SPLIT_TWO_BELOW if OPTIONS["split_two_below"] is None else int(OPTIONS["split_two_below"])
+        return 2 if OPTIONS["split_two"] and programs < below and most >= 2 else 1
     wanted = max(1, math.ceil(TARGET_PROGRAMS / programs))
     return triton.next_power_of_2(min(wanted, most))
 
@@ -254,7 +276,9 @@ def _decode(
     block_n = chosen[0] if block_n is None else block_n
     num_warps = chosen[1] if num_warps is None else num_warps
     num_stages = chosen[2] if num_stages is None else num_stages
-    part = _part_len(block_tables.shape[1] * block_size, num_parts, block_n)
+    # PART 0: each sequence's partitions split its own keys (OPTIONS["dynamic_parts"]), else the table's span
+    dynamic = OPTIONS["dynamic_parts"] and num_parts > 1
+    part = 0 if dynamic else _part_len(block_tables.shape[1] * block_size, num_parts, block_n)
     if num_parts > 1:
         part_acc = torch.empty(batch * num_heads * num_parts, head_dim, device=src.device, dtype=torch.float32)
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=src.device, dtype=torch.float32)

@@ -431,6 +431,9 @@ def test_decode_attention_launch_shape_by_grid() -> None:
     assert decode_launch(128, 8, 1, narrow=False) == (64, 4, 2)  # off Hopper: not measured there
     assert decode_launch(1, 8, decode_num_parts(1, 8, 512)) == (64, 4, 3)
     assert decode_num_parts(96, 8, 4096) == 1 and decode_num_parts(1, 8, 512) == 8
+    # at most 16 partitions (OPTIONS["max_parts"]): with dynamic partitions more only add empty ones
+    assert [decode_num_parts(b, 8, 4096) for b in (1, 2, 4, 8)] == [16, 16, 16, 8]
+    assert [decode_num_parts(b, 8, 1024) for b in (1, 2, 4, 8)] == [16, 16, 16, 8]
     # 128-255 programs: 2 partitions (measured faster at 16 and 24 streams), unless one key tile holds all
     assert [decode_num_parts(b, 8, 512) for b in (8, 15, 16, 24, 31, 32, 64)] == [8, 8, 2, 2, 2, 1, 1]
     assert decode_num_parts(16, 8, 64) == 1
@@ -556,4 +559,38 @@ def test_audio_only_decode_step_stores_the_last_text_layer_without_attending(
     want = ({"decode_attention_rope": layers - 1, "decode_attention_rope(store_only)": 1} if fused
             else {"qk_norm_rope_store": layers, "decode_attention": layers - 1})
     assert ops.calls == want
+
+
+@pytest.mark.parametrize(("dynamic", "parts", "want_part"), [(True, 8, 0), (False, 8, 192), (True, 1, 1536),
+                                                               (False, 1, 1536)])
+def test_decode_launch_partitions_each_sequence_or_the_table(monkeypatch, dynamic: bool, parts: int,
+                                                             want_part: int) -> None:
+    """The launcher's key partitions: with OPTIONS["dynamic_parts"] a split launch passes PART 0 (the kernel
+    spreads each sequence's own keys over its partitions, runtime/kernels/paged_attention.py), else the block
+    table's span (96 blocks of 16 keys) cut in `parts` whole 64-key tiles; unsplit, one partition spans the
+    table either way. The merge kernel runs for split launches only. (The kernels themselves run on the GPU:
+    bench/decode_attention_lengths.py and bench/fast_checks.py check them there.)"""
+    pytest.importorskip("triton")
+    from runtime.kernels import paged_attention as pa
+
+    launches: list[tuple[str, tuple, dict]] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: tuple):
+            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
+
+    monkeypatch.setattr(pa, "_decode_kernel", Recorder("decode"))
+    monkeypatch.setattr(pa, "_decode_reduce_kernel", Recorder("merge"))
+    monkeypatch.setitem(pa.OPTIONS, "dynamic_parts", dynamic)
+    q = torch.zeros(3, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)
+    tables = torch.zeros(3, 96, dtype=torch.int32)
+    pa.paged_decode_attention(q, cache, cache, tables, torch.tensor([5, 513, 1500], dtype=torch.int32), parts)
+    assert [name for name, _, _ in launches] == (["decode", "merge"] if parts > 1 else ["decode"])
+    _, grid, kwargs = launches[0]
+    assert grid == (3, 8, parts) and kwargs["NUM_PARTS"] == parts and kwargs["BLOCK_N"] == 64
+    assert kwargs["PART"] == want_part
 
