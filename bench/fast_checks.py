@@ -33,6 +33,7 @@ def _cache(blocks: int, block_size: int, kv: int, dim: int, device: torch.device
 
 # op name of the fast path each check covers (a failed check switches that op to its fallback)
 CHECK_OPS = {"add_rmsnorm": "add_rmsnorm", "qk_norm_rope_store": "qk_norm_rope_store", "silu_mul": "silu_mul",
+             "embed": "embed",
              "decode_attention_rope": "decode_attention_rope", "decode_attention": "decode_attention",
              "prefill_attention": "prefill_attention",
              "fp8_triton": "fp8_gemv", "gemv": "one_row_gemv"}
@@ -46,8 +47,8 @@ def failed_ops(checks: list[dict]) -> set[str]:
 def run_kernel_checks(device: torch.device, **shape: int) -> list[dict]:
     """Every check, each guarded: an exception becomes a failed entry with its message."""
     out: list[dict] = []
-    for check in (_check_norms, _check_qk_rope, _check_silu, _check_decode, _check_decode_rope, _check_prefill,
-                  _check_fp8, _check_gemv):
+    for check in (_check_norms, _check_qk_rope, _check_silu, _check_embed, _check_decode, _check_decode_rope,
+                  _check_prefill, _check_fp8, _check_gemv):
         try:
             out.extend(check(device, **shape))
         except Exception as exc:  # noqa: BLE001 - reported, and the op falls back to PyTorch
@@ -114,6 +115,17 @@ def _check_qk_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: int 
                 "ok": dq["rel_l2"] < 1e-2 and dk["rel_l2"] < 1e-2 and dv["max_abs_diff"] == 0.0})
 
     return out
+
+
+def _check_embed(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]:
+    """The one-launch embedding lookup against the reference's gathers and selects: the same bits."""
+    ref, fast, _, randn = _setup(device)
+    text, audio = randn(151680, hidden, scale=0.02), randn(16512, hidden, scale=0.02)
+    tokens = torch.tensor([151667, 5, 16383, 151679, 0, 16511, 7, 151645], device=device)
+    is_audio = torch.tensor([False, False, True, False, True, True, False, False], device=device)
+    got, want = fast.embed(tokens, is_audio, text, audio), ref.embed(tokens, is_audio, text, audio)
+    return [{"kernel": "embed", "ok": got.dtype == want.dtype and torch.equal(got.view(torch.int16),
+                                                                            want.view(torch.int16))}]
 
 
 def _check_silu(device: torch.device, inter: int = 12288, **_: int) -> list[dict]:
@@ -251,6 +263,10 @@ def _check_gemv_mode(device: torch.device, hidden: int = 4096, inter: int = 1228
         out.append({"kernel": f"gemv({name})", **d, "ok": d["rel_l2"] < 1e-2 and bool(torch.equal(got_res, summed))})
     d = _diff(gemv(x, w)[0], torch.nn.functional.linear(x, w))
     out.append({"kernel": "gemv(none)", **d, "ok": d["rel_l2"] < 1e-2})
+    # float32 output (the heads' logits): the activation-typed output's values, widened, bit for bit
+    kw = {"prologue": RMSNORM, "residual": res, "norm_weight": nw, "eps": 1e-6}
+    wide, narrow = gemv(x, w, out_dtype=torch.float32, **kw)[0], gemv(x, w, **kw)[0]
+    out.append({"kernel": "gemv(float32 out)", "ok": wide.dtype == torch.float32 and torch.equal(wide, narrow.float())})
     wd, gu = randn(hidden, inter, scale=0.02), randn(1, 2 * inter)
     d = _diff(gemv(gu, wd, prologue=SILU_MUL)[0], torch.nn.functional.linear(ref.silu_mul(gu), wd))
     out.append({"kernel": "gemv(silu_mul)", **d, "ok": d["rel_l2"] < 1e-2})

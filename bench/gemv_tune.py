@@ -174,6 +174,30 @@ def _interleaved(bench: StepBench, mode: str, settings: dict[str, dict], rounds:
     return times, first
 
 
+def _interleaved_tables(bench: StepBench, mode: str, tables: dict[str, dict], rounds: int
+                        ) -> tuple[dict[str, list[float]], dict[str, tuple[torch.Tensor, ...]]]:
+    """As `_interleaved`, over tile tables instead of options: each named set of (key -> tile) entries is put
+    into the table in force while its step is captured; the table is restored."""
+    from runtime.kernels import gemv as gemv_mod
+
+    live = gemv_mod.tiles()
+    saved = dict(live)
+    names = list(tables)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    first: dict[str, tuple[torch.Tensor, ...]] = {}
+    try:
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                live.update(tables[name])
+                ms, logits = bench.step(mode)
+                times[name].append(ms)
+                first.setdefault(name, logits)
+    finally:
+        live.clear()
+        live.update(saved)
+    return times, first
+
+
 def ab_in_step(args: argparse.Namespace) -> dict:
     """Each `--ab` setting of the GEMV options, in interleaved rounds (order reversed every other round)."""
     settings = {_label(s): s for s in parse_settings(args.ab)}
@@ -256,6 +280,16 @@ def tune_in_step(args: argparse.Namespace) -> dict:
         end_ms, end_logits = bench.step(name)
         entry = {"mode": name, "start_step_ms": start_ms, "best_step_ms": best_ms, "final_table_step_ms": end_ms,
                  "table": {str(k): list(table[k]) for k in keys}, "trials": trials}
+        if args.confirm_rounds:
+            start = {key: tuple(tile) for key, tile in out["start_table"].items()}
+            start_tiles = {key: start[str(key)] for key in keys if str(key) in start}
+            tuned_tiles = {key: table[key] for key in keys}
+            rounds, first = _interleaved_tables(bench, name, {"start": start_tiles, "tuned": tuned_tiles},
+                                                args.confirm_rounds)
+            entry.update(start_median_ms=round(statistics.median(rounds["start"]), 4),
+                         tuned_median_ms=round(statistics.median(rounds["tuned"]), 4), confirm_rounds_ms=rounds,
+                         tuned_vs_start=_drift(first["tuned"], first["start"]))
+            log(f"{name}: interleaved, start table {entry['start_median_ms']:.4f} ms, tuned {entry['tuned_median_ms']:.4f} ms")
         if args.baseline:
             baseline = parse_settings(args.baseline)[0]
             rounds, first = _interleaved(bench, name, {"tuned": {}, "baseline": baseline}, args.rounds)
@@ -287,6 +321,8 @@ def main() -> None:
     ap.add_argument("--seed-table", action="store_true", help="--in-step: start from the sweep's fastest tiles")
     ap.add_argument("--candidates", type=int, default=8, help="--in-step: tiles tried per matrix")
     ap.add_argument("--baseline", default="", help="--in-step: options to time the tuned step against")
+    ap.add_argument("--confirm-rounds", type=int, default=0,
+                    help="--in-step: then time the start table against the tuned one in this many interleaved rounds")
     args = ap.parse_args()
     for setting in parse_settings(args.set):
         OPTIONS.update(setting)

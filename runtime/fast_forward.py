@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from runtime.attention import AttentionMetadata
 from runtime.fast_ops import TorchOps, TritonOps, default_ops, rope_tables
@@ -144,10 +143,7 @@ class FastForward:
 
     def embed(self, tokens: torch.Tensor, is_audio: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, hidden]: text table for text rows, audio table for audio rows (static shapes)."""
-        zero = torch.zeros_like(tokens)
-        text = F.embedding(torch.where(is_audio, zero, tokens), self.weights.embed_text)  # [N, hidden]
-        audio = F.embedding(torch.where(is_audio, tokens, zero), self.weights.embed_audio)  # [N, hidden]
-        return torch.where(is_audio[:, None], audio, text)
+        return self.ops.embed(tokens, is_audio, self.weights.embed_text, self.weights.embed_audio)
 
     def _layer(
         self, layer: LayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs,
@@ -237,7 +233,8 @@ class FastForward:
         if self.one_row == "gemv" and x.shape[0] == 1:
             from runtime.kernels.gemv import RMSNORM
 
-            return _gemv(x, head, RMSNORM, residual, norm, self.config.rms_norm_eps)[0].float()
+            # float32 logits straight from the kernel (rounded to bf16 first: the values of `.float()`)
+            return _gemv(x, head, RMSNORM, residual, norm, self.config.rms_norm_eps, torch.float32)[0]
         h, _ = self.ops.add_rmsnorm(x, residual, norm, self.config.rms_norm_eps)  # [S, hidden]
         return self._linear(h, head).float()
 
@@ -302,15 +299,16 @@ class FastForward:
 
 def _gemv(
     x: torch.Tensor, w: object, prologue: int, residual: torch.Tensor | None = None,
-    norm: torch.Tensor | None = None, eps: float = 1e-6,
+    norm: torch.Tensor | None = None, eps: float = 1e-6, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One-row GEMV on a bf16 or FP8 weight (see runtime/kernels/gemv.py)."""
     from runtime.kernels.gemv import gemv
 
+    kw = {"prologue": prologue, "residual": residual, "norm_weight": norm, "eps": eps, "out_dtype": out_dtype}
     if isinstance(w, Fp8Weight):
-        return gemv(x, w.weight, scale=w.scale, prologue=prologue, residual=residual, norm_weight=norm, eps=eps)
+        return gemv(x, w.weight, scale=w.scale, **kw)
     assert isinstance(w, torch.Tensor)
-    return gemv(x, w, prologue=prologue, residual=residual, norm_weight=norm, eps=eps)
+    return gemv(x, w, **kw)
 
 
 def max_blocks_for(max_model_len: int, block_size: int) -> int:

@@ -55,6 +55,15 @@ class TorchOps:
         return q
 
     @staticmethod
+    def embed(tokens: torch.Tensor, is_audio: torch.Tensor, text_table: torch.Tensor,
+              audio_table: torch.Tensor) -> torch.Tensor:
+        """[N] -> [N, hidden]: text table for text rows, audio table for audio rows (static shapes)."""
+        zero = torch.zeros_like(tokens)
+        text = F.embedding(torch.where(is_audio, zero, tokens), text_table)  # [N, hidden]
+        audio = F.embedding(torch.where(is_audio, tokens, zero), audio_table)  # [N, hidden]
+        return torch.where(is_audio[:, None], audio, text)
+
+    @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [N, 2I] -> silu(gate) * up [N, I]."""
         gate, up = gate_up.chunk(2, dim=1)
@@ -137,6 +146,7 @@ class TritonOps:
         self.add_rmsnorm = elementwise.add_rmsnorm
         self.qk_norm_rope_store = elementwise.qk_norm_rope_store
         self.silu_mul = elementwise.silu_mul
+        self.embed = elementwise.embed
         self.prefill_attention = paged_attention.paged_prefill_attention
         self.decode_attention_rope = paged_attention.paged_decode_attention_rope
         self.decode_num_parts = paged_attention.decode_num_parts

@@ -6,6 +6,7 @@ fused results equal the eager ones bit for bit:
 - `qk_norm_rope_store`: per-head q/k RMSNorm, rotate-half RoPE from a cos/sin table, q out, and the new
   K/V written straight into the paged cache at `slot_mapping` (slot < 0 = padding row, not written).
 - `silu_mul`: silu(gate) rounded, times up.
+- `embed`: each row's embedding from the text or the audio table (a copy; never a sum).
 Only imported when Triton is present (see runtime/kernels/__init__.py).
 """
 from __future__ import annotations
@@ -164,3 +165,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(n_rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4,
                                                             **pdl_args())
     return out
+
+
+@triton.jit
+def _embed_kernel(tok_ptr, audio_ptr, text_w_ptr, audio_w_ptr, out_ptr, HIDDEN: tl.constexpr,
+                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    is_audio = tl.load(audio_ptr + row) != 0
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    # both loads issued, one of them masked off: only the row's own table is read
+    text = tl.load(text_w_ptr + tok * HIDDEN + cols, mask=mask & (not is_audio), other=0.0)
+    audio = tl.load(audio_w_ptr + tok * HIDDEN + cols, mask=mask & is_audio, other=0.0)
+    tl.store(out_ptr + row * HIDDEN + cols, tl.where(is_audio, audio, text), mask=mask)
+
+
+def embed(tokens: torch.Tensor, is_audio: torch.Tensor, text_table: torch.Tensor,
+          audio_table: torch.Tensor) -> torch.Tensor:
+    """tokens [N], is_audio [N] bool -> [N, hidden]: the audio table's row for audio rows, the text table's
+    otherwise (one launch instead of the reference's two gathers, three selects and a fill)."""
+    assert tokens.is_contiguous() and is_audio.is_contiguous()
+    assert text_table.is_contiguous() and audio_table.is_contiguous()
+    hidden = text_table.shape[1]
+    out = torch.empty(tokens.shape[0], hidden, device=tokens.device, dtype=text_table.dtype)
+    block = triton.next_power_of_2(hidden)
+    _embed_kernel[(tokens.shape[0],)](tokens, is_audio, text_table, audio_table, out, HIDDEN=hidden, BLOCK=block,
+                                      num_warps=4, **pdl_args())
+    return out
+

@@ -89,12 +89,17 @@ TILES_FOLD = {
     (2, 4096, 12288): (8, 1024, 8, 1),  # down
     (2, 151680, 4096): (32, 256, 8, 2),  # text head
     (2, 16512, 4096): (16, 512, 8, 2),  # audio head
-    (1, 6144, 4096): (16, 1024, 8, 2),
-    (1, 4096, 4096): (4, 2048, 4, 2),
+    # FP8: descent again with the RMSNorm row read whole (twenty-ninth session; bench/results/gemv-prologue-h200/
+    # gemv-tune-step-fp8-prologue.json): qkv (16, 1024, 8, 2), o (4, 2048, 4, 2), text head (32, 512, 8, 2),
+    # audio head (16, 512, 4, 1) before; the step 2.640 -> 2.614 ms in 8 interleaved rounds, every round
+    # faster. A second pass (gemv-tune-step-fp8-pass2.json, after the one-launch embedding and dynamic key
+    # partitions) moved qkv from (16, 2048, 4, 2): 2.618 -> 2.602 ms in 8 interleaved rounds.
+    (1, 6144, 4096): (8, 1024, 8, 2),
+    (1, 4096, 4096): (4, 2048, 4, 1),
     (1, 24576, 4096): (32, 512, 4, 1),
     (1, 4096, 12288): (8, 2048, 8, 2),
-    (1, 151680, 4096): (32, 512, 8, 2),
-    (1, 16512, 4096): (16, 512, 4, 1),
+    (1, 151680, 4096): (32, 512, 4, 2),
+    (1, 16512, 4096): (32, 512, 8, 2),
 }
 
 
@@ -218,7 +223,9 @@ def _gemv_kernel(
         out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         out = out * tl.load(s_ptr + n, mask=nmask, other=0.0)
-    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
+    # rounded to the activations' type first, so a float32 output (the heads' logits) holds the values the
+    # activation-typed output would, widened (as `.float()` of it would give them, without that launch)
+    tl.store(out_ptr + n, out.to(act_ty).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def prologue_launch(prologue: int, k_dim: int, elem_bytes: int) -> dict[str, int | bool]:
@@ -237,17 +244,20 @@ def prologue_launch(prologue: int, k_dim: int, elem_bytes: int) -> dict[str, int
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None, prologue: int = NONE,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [1, K] (SILU_MUL: [1, 2K]) -> (out [1, N], x + residual [1, K] when RMSNORM with a residual).
 
-    RMSNORM without a residual returns x itself as the residual (the first layer's stream).
+    RMSNORM without a residual returns x itself as the residual (the first layer's stream). `out_dtype`
+    (default x's): the output is rounded to x's dtype, then stored in this one (float32 logits equal to
+    the x-typed output's `.float()`).
     """
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
     n_dim, k_dim = weight.shape
     assert x.shape[1] == (2 * k_dim if prologue == SILU_MUL else k_dim)
     block_n, block_k, warps, fold = gemv_tile(weight.element_size(), n_dim, k_dim)
     assert k_dim % block_k == 0, f"K ({k_dim}) must be a multiple of BLOCK_K ({block_k})"
-    out = torch.empty(1, n_dim, device=x.device, dtype=x.dtype)
+    out = torch.empty(1, n_dim, device=x.device, dtype=out_dtype or x.dtype)
     res_out = x
     has_res = prologue == RMSNORM and residual is not None
     if has_res:

@@ -70,6 +70,10 @@ CASES = [
        {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": w == "*fp8e4nv", "BLOCK_N": 8, "BLOCK_K": 512,
         "FOLD": 2, "WHOLE_K": 4096, "FIRST_W": first})
       for w in ("*bf16", "*fp8e4nv") for first in (False, True)],
+    # float32 logits out of the heads' GEMV (rounded to bf16 first)
+    ("gemv[fp8e4nv,float32 out]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": "*fp8e4nv", "out_ptr": "*fp32"},
+     {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": True, "BLOCK_N": 32, "BLOCK_K": 512, "FOLD": 2,
+      "WHOLE_K": 4096, "FIRST_W": False}),
     # float32 weights: the engine's float32 checks run the GEMV on them (a 16-byte vector is 4 of them)
     ("gemv[fp32,fold=2]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": "*fp32"},
      {"PROLOGUE": gemv.NONE, "HAS_RES": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 2,
@@ -81,11 +85,18 @@ CASES = [
      | {"pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"},
      {"NUM_HEADS": 32, "NUM_KV": 8, "HEAD_DIM": 128, "HEADS_BLOCK": 1}),
     ("silu_mul", elementwise._silu_mul_kernel, _ptrs("gu_ptr out_ptr") | {"inter": "i32"}, {"BLOCK": 1024}),
+    ("embed", elementwise._embed_kernel,
+     {"tok_ptr": "*i64", "audio_ptr": "*i1"} | _ptrs("text_w_ptr audio_w_ptr out_ptr"), {"HIDDEN": 4096, "BLOCK": 4096}),
     *[(name, paged_attention._decode_kernel, DECODE_SIG,
        {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 64,
         "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": fuse, "STORE_ONLY": store_only})
       for name, fuse, store_only in (("decode_attention", False, False), ("decode_attention_rope", True, False),
                                      ("decode_attention_rope(store_only)", True, True))],
+    # partitions of each sequence's own keys (PART 0: OPTIONS["dynamic_parts"])
+    *[(f"{name}(dynamic_parts)", paged_attention._decode_kernel, DECODE_SIG,
+       {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 0,
+        "NUM_PARTS": 8, "DOT_PREC": "tf32", "FUSE_ROPE": fuse, "STORE_ONLY": False})
+      for name, fuse in (("decode_attention", False), ("decode_attention_rope", True))],
     ("decode_merge", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
      | {"out_ptr": "*bf16"}, {"NUM_PARTS": 16, "HEAD_DIM": 128}),
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
