@@ -33,6 +33,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -153,49 +154,44 @@ def _drift(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> dict:
             "finite": all(bool(torch.isfinite(x).all()) for x in a)}
 
 
-def _interleaved(bench: StepBench, mode: str, settings: dict[str, dict], rounds: int
-                 ) -> tuple[dict[str, list[float]], dict[str, tuple[torch.Tensor, ...]]]:
-    """Step times of `mode` under each named setting of the GEMV options (over those in force), in `rounds`
-    rounds whose order reverses every other round, and each setting's logits from its first round. The
-    options in force are restored."""
-    base = dict(OPTIONS)
-    names = list(settings)
+def _rounds(bench: StepBench, mode: str, names: list[str], rounds: int, put: Callable[[str], None]
+            ) -> tuple[dict[str, list[float]], dict[str, tuple[torch.Tensor, ...]]]:
+    """Step times of `mode` under each name's setting (`put(name)` puts it in force before the capture), in
+    `rounds` rounds whose order reverses every other round, and each name's logits from its first round."""
     times: dict[str, list[float]] = {name: [] for name in names}
     first: dict[str, tuple[torch.Tensor, ...]] = {}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            put(name)
+            ms, logits = bench.step(mode)
+            times[name].append(ms)
+            first.setdefault(name, logits)
+    return times, first
+
+
+def _interleaved(bench: StepBench, mode: str, settings: dict[str, dict], rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, tuple[torch.Tensor, ...]]]:
+    """`_rounds` over settings of the GEMV options (over those in force); the options are restored."""
+    base = dict(OPTIONS)
     try:
-        for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                OPTIONS.update(base | settings[name])
-                ms, logits = bench.step(mode)
-                times[name].append(ms)
-                first.setdefault(name, logits)
+        return _rounds(bench, mode, list(settings), rounds, lambda name: OPTIONS.update(base | settings[name]))
     finally:
         OPTIONS.update(base)
-    return times, first
 
 
 def _interleaved_tables(bench: StepBench, mode: str, tables: dict[str, dict], rounds: int
                         ) -> tuple[dict[str, list[float]], dict[str, tuple[torch.Tensor, ...]]]:
-    """As `_interleaved`, over tile tables instead of options: each named set of (key -> tile) entries is put
-    into the table in force while its step is captured; the table is restored."""
+    """`_rounds` over tile tables: each named set of (key -> tile) entries is put into the table in force
+    while its step is captured; the table is restored."""
     from runtime.kernels import gemv as gemv_mod
 
     live = gemv_mod.tiles()
     saved = dict(live)
-    names = list(tables)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    first: dict[str, tuple[torch.Tensor, ...]] = {}
     try:
-        for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                live.update(tables[name])
-                ms, logits = bench.step(mode)
-                times[name].append(ms)
-                first.setdefault(name, logits)
+        return _rounds(bench, mode, list(tables), rounds, lambda name: live.update(tables[name]))
     finally:
         live.clear()
         live.update(saved)
-    return times, first
 
 
 def ab_in_step(args: argparse.Namespace) -> dict:

@@ -1,7 +1,14 @@
-"""Process-wide settings for the test session: keep Ray on loopback, offline, without auth prompts."""
+"""Process-wide settings for the test session: keep Ray on loopback, offline, without auth prompts; and the
+`triton_interpreter` fixture."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 # Must be set before Ray is imported anywhere (see docs/development.md).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -11,3 +18,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Replicas push autoscaling metrics every second (default 10 s) so the live scaling test reacts quickly.
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+
+
+@pytest.fixture
+def triton_interpreter() -> Callable[[str], str]:
+    """Runs a Python script in a fresh process under Triton's CPU interpreter (chosen when kernels are
+    defined, hence the process) with the repository importable; returns what it printed, failing the test on
+    a non-zero exit. Skips where Triton is not installed."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {"TRITON_INTERPRET": "1",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+    def run(script: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    return run
+

@@ -71,7 +71,7 @@ CASES = [
         "FOLD": 2, "WHOLE_K": 4096, "FIRST_W": first})
       for w in ("*bf16", "*fp8e4nv") for first in (False, True)],
     # float32 logits out of the heads' GEMV (rounded to bf16 first)
-    ("gemv[fp8e4nv,float32 out]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": "*fp8e4nv", "out_ptr": "*fp32"},
+    ("gemv[fp8e4nv,float32_out]", gemv._gemv_kernel, GEMV_SIG | {"w_ptr": "*fp8e4nv", "out_ptr": "*fp32"},
      {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": True, "BLOCK_N": 32, "BLOCK_K": 512, "FOLD": 2,
       "WHOLE_K": 4096, "FIRST_W": False}),
     # float32 weights: the engine's float32 checks run the GEMV on them (a 16-byte vector is 4 of them)

@@ -8,11 +8,6 @@ position, gathered) must equal bigvgan's `Activation1d`, edges included.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from bigvgan.activations import Snake, SnakeBeta
@@ -119,19 +114,6 @@ def test_channels_last_needs_the_triton_kernels() -> None:
     assert StreamingVocoder.from_preset("tiny").channels_last is False  # CPU
 
 
-def _interpreter_worst(script: str) -> float:
-    """Run `script` in a fresh process under Triton's CPU interpreter (chosen when the kernels are defined)
-    and return the worst difference it prints last."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"TRITON_INTERPRET": "1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return float(proc.stdout.split()[-1])
-
-
 NWC_SCRIPT = """
 import sys, torch
 from vocoder.kernels import aa_snake as m
@@ -153,12 +135,12 @@ print(worst)
 """
 
 
-def test_channels_last_activation_kernel_in_the_triton_interpreter() -> None:
+def test_channels_last_activation_kernel_in_the_triton_interpreter(triton_interpreter) -> None:
     """The channels-last kernels themselves (direct and gathering), run by Triton's CPU interpreter (a fresh
     process: the interpreter is chosen when the kernels are defined) against `aa_snake_reference`: tiles of
     32/64 channels with masked lanes (40 channels), one-frame rows, replicate edges, rows spanning several
     gathering programs (130 frames, 56 per program)."""
-    assert _interpreter_worst(NWC_SCRIPT) < 2e-5  # float32, sums in another order
+    assert float(triton_interpreter(NWC_SCRIPT).split()[-1]) < 2e-5  # float32, sums in another order
 
 
 CAUSAL_CONV_SCRIPT = """
@@ -267,7 +249,7 @@ print(worst)
 """
 
 
-def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
+def test_causal_conv_and_norm_kernels_in_the_triton_interpreter(triton_interpreter) -> None:
     """The estimator's fused causal conv kernel (vocoder/kernels/flow_fused.py), with LayerNorm + Mish + time
     bias (a CausalBlock) and without (a plain CausalConv1d), on channels-first and channels-last input, with a
     stream's cache and at a stream's start, run by Triton's CPU interpreter against the PyTorch modules: the
@@ -276,7 +258,7 @@ def test_causal_conv_and_norm_kernels_in_the_triton_interpreter() -> None:
     few-row fused linears (LN + QKV, LN + FF1 + GELU) and the LN1 + QKV + chunk attention kernel against the
     transformer block's modules, the block's fused path against its PyTorch path, and BigVGAN's channels-last
     conv bias add against PyTorch's."""
-    assert _interpreter_worst(CAUSAL_CONV_SCRIPT) < 2e-5  # float32, sums in another order
+    assert float(triton_interpreter(CAUSAL_CONV_SCRIPT).split()[-1]) < 2e-5  # float32, sums in another order
 
 
 def test_causal_conv_splits_output_channels_only_for_few_programs() -> None:
