@@ -191,7 +191,7 @@ def embed(tokens: torch.Tensor, is_audio: torch.Tensor, text_table: torch.Tensor
     hidden = text_table.shape[1]
     out = torch.empty(tokens.shape[0], hidden, device=tokens.device, dtype=text_table.dtype)
     block = triton.next_power_of_2(hidden)
-    _embed_kernel[(tokens.shape[0],)](tokens, is_audio, text_table, audio_table, out, HIDDEN=hidden, BLOCK=block,
-                                      num_warps=4, **pdl_args())
+    _embed_kernel[(tokens.shape[0],)](tokens, is_audio, text_table, audio_table, out, HIDDEN=hidden,
+                                      BLOCK=block, num_warps=4, **pdl_args())
     return out
 

@@ -6,8 +6,8 @@ out[N] = prologue(x) @ W.T, W [N, K] bf16 or FP8 (then times a per-row scale). P
   the residual add and the RMSNorm cost no launch of their own.
 - SILU_MUL: x = [gate, up] of length 2K; silu(gate) * up.
 The RMSNorm prologue first reads the whole row for its sum of squares (OPTIONS["prologue"]), then each
-weight tile's slice of x again. Rounding matches the eager ops (runtime/kernels/elementwise.py). Each program streams BLOCK_N weight
-rows with wide loads (no tensor cores: one row of x).
+weight tile's slice of x again. Rounding matches the eager ops (runtime/kernels/elementwise.py). Each
+program streams BLOCK_N weight rows with wide loads (no tensor cores: one row of x).
 Under PDL (runtime/kernels/__init__.py) a program may be scheduled while the previous kernel runs.
 
 FP8 weights are widened to float32 by Triton's conversion (`cvt.rn.f16x2.e4m3x2`, then `cvt.f32.f16`).
@@ -89,8 +89,8 @@ TILES_FOLD = {
     (2, 4096, 12288): (8, 1024, 8, 1),  # down
     (2, 151680, 4096): (32, 256, 8, 2),  # text head
     (2, 16512, 4096): (16, 512, 8, 2),  # audio head
-    # FP8: descent again with the RMSNorm row read whole (twenty-ninth session; bench/results/gemv-prologue-h200/
-    # gemv-tune-step-fp8-prologue.json): qkv (16, 1024, 8, 2), o (4, 2048, 4, 2), text head (32, 512, 8, 2),
+    # FP8: descent again with the RMSNorm row read whole (twenty-ninth session;
+    # bench/results/gemv-prologue-h200/gemv-tune-step-fp8-prologue.json): qkv (16, 1024, 8, 2), o (4, 2048, 4, 2), text head (32, 512, 8, 2),
     # audio head (16, 512, 4, 1) before; the step 2.640 -> 2.614 ms in 8 interleaved rounds, every round
     # faster. A second pass (gemv-tune-step-fp8-pass2.json, after the one-launch embedding and dynamic key
     # partitions) moved qkv from (16, 2048, 4, 2): 2.618 -> 2.602 ms in 8 interleaved rounds.
@@ -208,8 +208,8 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     start = 0
     if FIRST_W:
-        acc = _accumulate(acc, w_first, _x_tile(x_ptr, res_ptr, nw_ptr, tile, K, rstd, act_ty, PROLOGUE, HAS_RES),
-                          BLOCK_N, BLOCK_K, VEC, FOLD)
+        x_first = _x_tile(x_ptr, res_ptr, nw_ptr, tile, K, rstd, act_ty, PROLOGUE, HAS_RES)
+        acc = _accumulate(acc, w_first, x_first, BLOCK_N, BLOCK_K, VEC, FOLD)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         # the weight load first: issued before the prologue's math, whose latency it then covers (the
