@@ -42,8 +42,8 @@ from runtime.kernels import gemv as gemv_mod
 from runtime.kernels import paged_attention as attn_mod
 from runtime.kv_cache import kv_bytes_per_block
 
-INT_OPTIONS = ("pdl_max_rows",)
-BOOL_OPTIONS = ("parallel_tails", "fused_rope")
+INT_OPTIONS = ("pdl_max_rows", "attn_max_parts", "attn_split_two_below")
+BOOL_OPTIONS = ("parallel_tails", "fused_rope", "attn_split_two", "attn_dynamic_parts")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
@@ -64,11 +64,14 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
-        options[key] = (None if key == "attn_max_parts" and value == "none"
-                        else int(value) if key in INT_OPTIONS or key in ("attn_max_parts", "attn_split_two_below")
-                        or (key == "gemv_fold" and value.isdigit())
-                        else value == "1" if key in BOOL_OPTIONS or key in ("attn_split_two", "attn_dynamic_parts")
-                        else value)
+        if value == "none" and key == "attn_max_parts":
+            options[key] = None
+        elif key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit()):
+            options[key] = int(value)
+        elif key in BOOL_OPTIONS:
+            options[key] = value == "1"
+        else:
+            options[key] = value
     return parts[0], int(parts[1]), options
 
 

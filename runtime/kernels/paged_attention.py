@@ -168,9 +168,9 @@ SPLIT_TWO_BELOW = 256
 # spreads the keys, so more partitions only add empty programs and a longer merge (1 stream, 513 keys:
 # 16 partitions FP8 2.648 / bf16 4.385 ms in a 1024-key table against 64 partitions 2.688 / 4.442 in a
 # 4096-key one; 8 partitions lost at 4 streams, 5.392 against 5.195 ms). None: no cap.
-# "split_two_below": programs under which keys split in 2 (None: SPLIT_TWO_BELOW).
+# "split_two_below": programs under which keys split in 2.
 OPTIONS: dict[str, bool | int | None] = {"split_two": True, "max_parts": 16, "dynamic_parts": True,
-                                         "split_two_below": None}
+                                         "split_two_below": SPLIT_TWO_BELOW}
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
 # 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
@@ -191,8 +191,7 @@ def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
     if OPTIONS["max_parts"] is not None:
         most = min(most, int(OPTIONS["max_parts"]))
     if programs >= SPLIT_BELOW:
-        below = SPLIT_TWO_BELOW if OPTIONS["split_two_below"] is None else int(OPTIONS["split_two_below"])
-        return 2 if OPTIONS["split_two"] and programs < below and most >= 2 else 1
+        return 2 if OPTIONS["split_two"] and programs < int(OPTIONS["split_two_below"]) and most >= 2 else 1
     wanted = max(1, math.ceil(TARGET_PROGRAMS / programs))
     return triton.next_power_of_2(min(wanted, most))
 
