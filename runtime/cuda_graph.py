@@ -147,7 +147,7 @@ class DecodeGraphRunner:
         self, tokens: torch.Tensor, is_audio: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, *, text: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One decode step of b sequences -> (text_logits [b, Vt], audio_logits [b, Va]) float32.
+        """One decode step of b sequences -> (text_logits [b, Vt], audio_logits [b, Va]) (dtype: FastForward's).
 
         tokens, is_audio, positions, slot_mapping, seq_lens: [b]; block_tables [b, w] (w <= max blocks).
         `text=False`: an audio-only step (text logits None; the cache is written exactly as by a whole step).

@@ -74,13 +74,15 @@ ONE_ROW_MODES = ("cublas", "gemv", "mixed", "mixed2")
 
 
 class FastForward:
-    """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`, float32 like the model
-    (`text=False`: text logits None, see __call__)."""
+    """Callable `(step, kv_cache) -> (text_logits [S, Vt], audio_logits [S, Va])`: float32 like the model from
+    the one-row GEMV heads, else in the activation dtype unless `float_logits` (the same values: the model
+    rounds its logits to that dtype before widening them; the sampler widens them itself,
+    runtime/sampling.py). `text=False`: text logits None, see __call__."""
 
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
         one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 64, parallel_tails: bool | None = None,
-        fused_rope: bool = True,
+        fused_rope: bool = True, float_logits: bool = False,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
@@ -112,7 +114,11 @@ class FastForward:
         6.70 -> 6.68 and 6.71 -> 6.65; at one stream, where each of 16 key partitions repeats the query's
         rotation and the one holding the new key waits for its store, 4.51 -> 4.62 / 4.69 ms (bf16) and
         2.73 -> 2.84 / 2.86 ms (FP8), hence the rule; with 2 partitions (16-31 streams) the fused kernel is
-        what was measured faster (bench/results/decode-attention-tune-h200/)."""
+        what was measured faster (bench/results/decode-attention-tune-h200/).
+        `float_logits`: heads other than the one-row GEMV widen their logits to float32 inside the step (a
+        copy of [S, V] float32 written after each head) instead of returning them in the activation dtype; the
+        sampler makes a float32 copy of them either way (it clones float32 logits), so off, that copy is
+        done once instead of twice."""
         self.weights = weights
         cfg = weights.config
         self.config = cfg
@@ -130,6 +136,7 @@ class FastForward:
         self.pdl = resolve_pdl(pdl, device, isinstance(self.ops, TritonOps))
         self.pdl_max_rows = pdl_max_rows
         self.fused_rope = fused_rope
+        self.float_logits = float_logits
         on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
@@ -236,7 +243,8 @@ class FastForward:
             # float32 logits straight from the kernel (rounded to bf16 first: the values of `.float()`)
             return _gemv(x, head, RMSNORM, residual, norm, self.config.rms_norm_eps, torch.float32)[0]
         h, _ = self.ops.add_rmsnorm(x, residual, norm, self.config.rms_norm_eps)  # [S, hidden]
-        return self._linear(h, head).float()
+        logits = self._linear(h, head)
+        return logits.float() if self.float_logits else logits
 
     @torch.inference_mode()
     def __call__(
@@ -277,7 +285,7 @@ class FastForward:
     def _text_out(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, kv_cache: KVCache
     ) -> torch.Tensor:
-        """Text tail and head -> [S, Vt] float32."""
+        """Text tail and head -> [S, Vt] logits (dtype: see the class)."""
         text, text_res = self._tail(self.weights.text, x, residual, step, kv_cache)
         return self._head(text, text_res, self.weights.text_norm, self.weights.text_head, step)
 
@@ -292,7 +300,7 @@ class FastForward:
     def _audio_out(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, kv_cache: KVCache
     ) -> torch.Tensor:
-        """Audio tail and head -> [S, Va] float32."""
+        """Audio tail and head -> [S, Va] logits (dtype: see the class)."""
         audio, audio_res = self._tail(self.weights.audio, x, residual, step, kv_cache)
         return self._head(audio, audio_res, self.weights.audio_norm, self.weights.audio_head, step)
 

@@ -231,7 +231,8 @@ def sample_next_rows(
 ) -> list[Row]:
     """Sample one row per request, append it to that request's sampler, and return the rows.
 
-    ``text_logits`` is ``[S, Vt]`` and ``audio_logits`` is ``[S, Va]`` (float, any device), row ``i`` belonging
+    ``text_logits`` is ``[S, Vt]`` and ``audio_logits`` is ``[S, Va]`` (float32, or bfloat16 / float16 widened to
+    float32 here; any device), row ``i`` belonging
     to ``samplers[i]``. ``text_logits`` may be None when no request samples in text mode (an audio-only step
     that skipped the text head): audio-mode rows never read them. The inputs are not modified. Each request's
     result depends only on its own logits, state and seed, never on the rest of the batch. Raises
@@ -332,7 +333,8 @@ def launch_next_rows(
         return LaunchedRows([], [], [], [], torch.zeros(0, dtype=torch.long), None)
     uniforms = to_device(torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32), device)  # [S, 2]
 
-    audio = audio_logits.float().clone()  # [S, Va]
+    # a float32 copy (the caller may overwrite its logits; a redraw reads this): widened or cloned
+    audio = audio_logits.float() if audio_logits.dtype != torch.float32 else audio_logits.clone()  # [S, Va]
     audio[:, EOSP_ID + 1 :] = -math.inf  # ids above EOSP are never generated
     blocked = [i for i, s in enumerate(samplers) if s.num_generated < s.min_new_tokens]
     if blocked:

@@ -91,6 +91,22 @@ def test_fast_step_matches_plain_step_prefill_chunk_and_decode(model: MossSpeech
     torch.testing.assert_close(fast_cache.v, plain_cache.v, atol=1e-6, rtol=1e-5)
 
 
+def test_bfloat16_step_returns_bfloat16_logits_unless_float_logits() -> None:
+    """Steps through the cuBLAS-style heads return the activation dtype (the sampler widens them); with
+    `float_logits` the same values come back widened inside the step (two prompts, fresh caches)."""
+    bf16_model = build_model(CONFIG, seed=0, dtype=torch.bfloat16)
+    weights = fuse_model_weights(bf16_model)
+    low, wide = FastForward(weights, TorchOps()), FastForward(weights, TorchOps(), float_logits=True)
+    work = _two_sequence_steps()[0]
+    caches = [allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", torch.bfloat16) for _ in range(2)]
+    tokens, is_audio, positions, attn = _plain_step(bf16_model, caches[0], work)
+    step = StepInputs.from_metadata(tokens, is_audio, positions, attn)
+    got, want = low(step, caches[0]), wide(step, caches[1])
+    for g, w, vocab in zip(got, want, (CONFIG.vocab_size, CONFIG.audio_vocab_size), strict=True):
+        assert g.dtype == torch.bfloat16 and w.dtype == torch.float32 and g.shape == w.shape == (2, vocab)
+        assert torch.equal(g.float(), w)
+
+
 def _greedy(step_fn, prompt: list[Row], steps: int) -> list[Row]:
     rows = list(prompt)
     text, audio = step_fn(rows, len(rows))

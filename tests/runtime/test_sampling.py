@@ -307,6 +307,19 @@ def test_inputs_are_not_modified() -> None:
     assert torch.equal(text_in, text[0, :1]) and torch.equal(audio_in, audio[0, :1])
 
 
+def test_bfloat16_logits_sample_as_their_float32_widening() -> None:
+    """A fast-path step of several rows returns its logits in bfloat16 (runtime/fast_forward.py): the sampler
+    widens them itself, so the rows (and the inputs left untouched) are those of the widened logits."""
+    num_requests = 3
+    text, audio = (x.bfloat16() for x in _random_logits(num_requests))
+    widened, low = _make_samplers(num_requests), _make_samplers(num_requests)
+    for t in range(NUM_STEPS):
+        want = sample_next_rows(text[:, t].float(), audio[:, t].float(), widened)
+        text_in, audio_in = text[:, t].clone(), audio[:, t].clone()
+        assert sample_next_rows(text_in, audio_in, low) == want
+        assert torch.equal(text_in, text[:, t]) and torch.equal(audio_in, audio[:, t])
+
+
 # ---- validation ------------------------------------------------------------------------------------------
 
 
