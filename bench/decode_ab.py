@@ -43,15 +43,17 @@ from runtime.kernels import paged_attention as attn_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows", "attn_max_parts", "attn_split_two_below")
-BOOL_OPTIONS = ("parallel_tails", "fused_rope", "attn_split_two", "attn_dynamic_parts")
+BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
-# (attn_dynamic_parts 1 / 0: partitions of each sequence's context or of the table's span)
+# (attn_dynamic_parts 1 / 0: partitions of each sequence's context or of the table's span), OPTIONS["launch"]
+# (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split)
 KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
-                  "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below")}
+                  "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
+                  "attn_launch": (attn_mod.OPTIONS, "launch")}
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -66,6 +68,8 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
         if value == "none" and key == "attn_max_parts":
             options[key] = None
+        elif key == "attn_launch":
+            options[key] = tuple(int(v) for v in value.split(":"))
         elif key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit()):
             options[key] = int(value)
         elif key in BOOL_OPTIONS:
@@ -123,7 +127,8 @@ def main(argv: list[str]) -> dict:
                      "matrix_bytes": weights[w].matrix_bytes()}
         if base != len(runners):
             row["vs"] = args.variant[base]
-            row["logits_equal"] = all(torch.equal(x, y) for x, y in zip(out, logits[base], strict=True))
+            # (widened: a variant may return float32 logits where its base returns bf16, `float_logits`)
+            row["logits_equal"] = all(torch.equal(x.float(), y.float()) for x, y in zip(out, logits[base], strict=True))
             row["logits_vs"] = logit_compare(out, logits[base])
         runners.append(runner)
         logits.append(out)

@@ -169,8 +169,11 @@ SPLIT_TWO_BELOW = 256
 # 16 partitions FP8 2.648 / bf16 4.385 ms in a 1024-key table against 64 partitions 2.688 / 4.442 in a
 # 4096-key one; 8 partitions lost at 4 streams, 5.392 against 5.195 ms). None: no cap.
 # "split_two_below": programs under which keys split in 2.
-OPTIONS: dict[str, bool | int | None] = {"split_two": True, "max_parts": 16, "dynamic_parts": True,
-                                         "split_two_below": SPLIT_TWO_BELOW}
+# "launch": (key tile, warps, stages) for every grid whose keys are not split, in place of `decode_launch`'s
+# choice (None: its choice).
+OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
+    "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
+}
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
 # 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
@@ -200,6 +203,8 @@ def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = 
     """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_PROGRAMS).
     `narrow`: the narrow launch may be used (Hopper, where it was measured and checked)."""
     programs = batch * num_kv_heads
+    if num_parts == 1 and OPTIONS["launch"] is not None:
+        return OPTIONS["launch"]
     if narrow and num_parts == 1 and any(lo <= programs <= hi for lo, hi in NARROW_PROGRAMS):
         return NARROW_LAUNCH
     # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
