@@ -228,6 +228,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--launch-variants", default="pdl,tails2,pdl+tails2",
                    help="--fast: launch options timed beside the plain graphs (bench/fast_bench.py)")
     p.add_argument("--max-model-len", type=int, default=1024, help="fast path: block-table width of the graphs")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="fast path: interleaved rounds of --reps replays per decode graph (bench/fast_bench.py)")
     p.add_argument("--skip-24gb-profile", action="store_true")
     args = p.parse_args(argv)
     if args.fast and not args.device.startswith("cuda"):
@@ -323,7 +325,7 @@ def main(argv: list[str]) -> dict:
         fast_args = argparse.Namespace(
             batch_sizes=args.fast_batch_sizes, context_len=args.context_len, prompt_len=args.prompt_len,
             block_size=block, max_model_len=args.max_model_len, reps=reps, skip_profile=args.skip_24gb_profile,
-            launch_variants=args.launch_variants,
+            launch_variants=args.launch_variants, rounds=args.rounds,
         )
         result["fast_path"] = run_fast(model, fast_args)
         result["done_when"] = summarize(result["fast_path"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine import time_fn
+from bench.engine import Timing, time_fn
 from runtime.attention import AttentionMetadata
 from runtime.config import MODALITY_PAD_ID, Row
 from runtime.cuda_graph import DecodeGraphRunner
@@ -36,14 +36,36 @@ def emit(result: dict, out: Path | None) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
 
+def _summary(samples_ms: list[float]) -> dict:
+    """Median / p10 / p90 (nearest rank, as `time_ms`) of timed calls."""
+    timing, ordered = Timing(samples_ms), sorted(samples_ms)
+    return {"median_ms": round(timing.median_ms, 4), "p10_ms": round(ordered[len(ordered) // 10], 4),
+            "p90_ms": round(timing.p90_ms, 4)}
+
+
 def time_ms(fn: Callable[[], object], warmup: int, reps: int, device: torch.device | None = None) -> dict:
     """Median / p10 / p90 of `reps` timed calls after `warmup` untimed ones: CUDA events on a CUDA device (by
     default the current one), wall clock on the CPU."""
-    timing = time_fn(fn, device if device is not None else torch.device("cuda", torch.cuda.current_device()),
-                     warmup, reps)
-    samples = sorted(timing.samples_ms)
-    return {"median_ms": round(timing.median_ms, 4), "p10_ms": round(samples[len(samples) // 10], 4),
-            "p90_ms": round(timing.p90_ms, 4)}
+    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return _summary(time_fn(fn, dev, warmup, reps).samples_ms)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int, reps: int, rounds: int, device: torch.device | None = None
+) -> dict[str, dict]:
+    """`time_ms` of each function in `rounds` rounds, the order reversed every other round, so that a drift of
+    the device over the sequence (clocks, heat) reaches every function alike -> per name: median / p10 / p90
+    of all its timed calls pooled, and each round's median (`round_medians_ms`)."""
+    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    for rnd in range(rounds):
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            got = time_fn(fns[name], dev, warmup, reps)
+            samples[name] += got.samples_ms
+            medians[name].append(round(got.median_ms, 4))
+    return {n: {**_summary(samples[n]), "round_medians_ms": medians[n]} for n in names}
 
 
 def copy_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:
