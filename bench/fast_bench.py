@@ -382,9 +382,9 @@ TARGETS_MS = {"decode_bf16_b1": 4.6, "decode_bf16_b64": 6.0, "decode_bf16_b128":
 
 
 # The variant each "done when" line quotes: what FastForward does by default on an H200 (runtime/fast_forward.py:
-# the audio tail on a second stream, PDL up to 64 rows, `gemv` at one row), not the fastest of the
+# the audio tail on a second stream, PDL up to 32 rows, `gemv` at one row), not the fastest of the
 # variants timed, which would pick the luckiest of several noisy medians.
-SERVING_DEFAULT = {"decode_bf16_b1": "fast_graph_gemv+pdl+tails2", "decode_bf16_b64": "fast_graph+pdl+tails2",
+SERVING_DEFAULT = {"decode_bf16_b1": "fast_graph_gemv+pdl+tails2", "decode_bf16_b64": "fast_graph+tails2",
                    "decode_bf16_b128": "fast_graph+tails2", "decode_fp8_b1": "fast_graph_fp8_gemv+pdl+tails2"}
 
 

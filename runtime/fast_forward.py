@@ -71,6 +71,10 @@ class StepInputs:
 
 
 ONE_ROW_MODES = ("cublas", "gemv", "mixed", "mixed2")
+# Prefill steps of up to this many rows launch the Triton kernels with PDL (where `pdl` allows it); the
+# limit decode steps had until the thirtieth session, which narrowed theirs (`pdl_max_rows`) and did not
+# measure prefill chunks again.
+PDL_PREFILL_MAX_ROWS = 64
 
 
 class FastForward:
@@ -81,7 +85,7 @@ class FastForward:
 
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
-        one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 64, parallel_tails: bool | None = None,
+        one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 32, parallel_tails: bool | None = None,
         fused_rope: bool = True, float_logits: bool = False,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
@@ -92,12 +96,16 @@ class FastForward:
         for FP8 and, since the GEMV folds its accumulator (runtime/kernels/gemv.py), for bf16 as well:
         4.50 vs `mixed2` 4.56 ms in the engine run (4.48 vs 4.55 in its repeat), 4.568 vs 4.668 ms in an
         interleaved A/B with an earlier table (bench/results/engine-h200.json, gemv-fold-h200/; docs/gpu.md).
-        `pdl`: how the Triton kernels of steps of at most `pdl_max_rows` rows are launched (one of
+        `pdl`: how the Triton kernels of decode steps of at most `pdl_max_rows` rows (prefill steps: at most
+        PDL_PREFILL_MAX_ROWS) are launched (one of
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
-        2-3% faster steps of 1-32 rows, even or faster at 64, 1-2% slower at 128 (docs/gpu.md); in four later
-        engine runs (bench/results/engine-h200.json, -previous, -repeat, -wide-attention) -0.1% to +1.7% at
-        64, within the spread between processes.
+        2-3% faster steps of 1-32 rows, even or faster at 64, 1-2% slower at 128 (docs/gpu.md). Since the
+        thirtieth session up to 32 rows: in the engine runs of the twenty-ninth and thirtieth sessions (three
+        timed in sequence, one in interleaved rounds) the 64-row step with PDL was 0.3%, 3.0%, 1.0% and 1.0%
+        slower than without, at 32 rows 0.3% faster to even, at 128 rows 2.9-4.4% slower
+        (bench/results/decode-logits-h200/). (Single-graph A/Bs, bench/decode_ab.py, put 64 even and 128 up
+        to 2.6% faster: why the engine's many-bucket runners differ was not found.)
         `parallel_tails` (CUDA only; default on there): in decode steps the audio tail and head run on a
         second stream, concurrently with the text tail and head (they share nothing but their input), so the
         two chains of small kernels fill each other's gaps; the step (and a CUDA graph captured from it)
@@ -258,7 +266,8 @@ class FastForward:
         norm and head do not run: the last layer's o, gate/up and down matrices and the 151680-row head,
         1.58 GB of the 16.8 GB a bf16 step reads. The audio logits and every cache entry are bit-equal to
         the whole step's."""
-        with pdl_launches(self.pdl if step.tokens.shape[0] <= self.pdl_max_rows else "off"):
+        most = self.pdl_max_rows if step.max_query_len == 1 else PDL_PREFILL_MAX_ROWS
+        with pdl_launches(self.pdl if step.tokens.shape[0] <= most else "off"):
             return self._forward(step, kv_cache, text)
 
     def _forward(

@@ -358,6 +358,25 @@ def test_pdl_launch_mode_is_scoped_and_validated() -> None:
         pass
 
 
+def test_pdl_covers_decode_steps_up_to_pdl_max_rows_and_prefill_up_to_its_own_limit(
+    model: MossSpeechForCausalLM, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from runtime import fast_forward
+    from runtime.kernels import pdl_mode
+
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    assert fast.pdl_max_rows == 32 and fast_forward.PDL_PREFILL_MAX_ROWS == 64
+    fast.pdl = "wait"  # as resolved on a GPU that supports it (TorchOps resolves "off")
+    seen: list[str] = []
+    monkeypatch.setattr(fast, "_forward", lambda step, kv_cache, text: seen.append(pdl_mode()))
+    for rows, query_len in ((1, 1), (32, 1), (33, 1), (64, 1), (64, 64), (65, 65), (65, 13)):
+        fast(SimpleNamespace(tokens=torch.zeros(rows), max_query_len=query_len), None)  # type: ignore[arg-type]
+    assert seen == ["wait", "wait", "off", "off", "wait", "off", "off"]
+    assert pdl_mode() == "off"
+
+
 def test_launch_options_are_validated_and_inert_off_cuda(model: MossSpeechForCausalLM) -> None:
     weights = fuse_model_weights(model)
     with pytest.raises(ValueError, match="pdl must be one of"):
