@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
+from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig, noise
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
 from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
 from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
@@ -314,6 +314,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here after every row")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="torch.backends.cudnn.benchmark = True (cuDNN times its algorithms per conv shape)")
+    p.add_argument("--eager-noise", action="store_true",
+                   help="make the flow's noise with eager ops instead of one kernel (vocoder.noise.OPTIONS)")
     args = p.parse_args()
     args.schedule = tuple(int(c) for c in args.schedule.split(","))
     return args
@@ -326,6 +328,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    noise.OPTIONS["kernel"] = not args.eager_noise
     on_cuda = args.device.startswith("cuda")
     default_variants = (
         "eager-float32,graph-bfloat16,graphpartial-bfloat16,graphfused-bfloat16,graphfused-float16"
@@ -343,6 +346,7 @@ def main() -> None:
         "torch": torch.__version__,
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "noise_kernel": noise.OPTIONS["kernel"],
         "latency": args.latency,
         "rows": [],
         "verify": {},

@@ -8,12 +8,16 @@ import torch
 
 from runtime.transfer import to_device
 from vocoder.config import NUM_MELS
+from vocoder.kernels import HAS_TRITON
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers kept below 2**31 so that a 32-bit value times one of them fits in a signed int64.
 _MUL_A = 0x7FEB352D
 _MUL_B = 0x68E31DA5
 _MAX_SEED = 2**63 - 1
+# "kernel": on CUDA with Triton, make the noise in one kernel launch (vocoder/kernels/frame_noise.py) instead
+# of the eager ops below; the same bits. A switch for benchmarks' A/Bs.
+OPTIONS = {"kernel": True}
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -23,6 +27,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * _MUL_B) & _MASK32
     return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key a stream's noise is hashed with (the eager code's `key`, in Python ints)."""
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * _MUL_A) & _MASK32
+        x ^= x >> 15
+        x = (x * _MUL_B) & _MASK32
+        return x ^ (x >> 16)
+
+    return mix(mix(seed & _MASK32) ^ (seed >> 32))
 
 
 def check_seed(seed: int) -> int:
@@ -51,6 +67,12 @@ def batch_frame_noise(
     if len(seeds) != len(starts) or length < 0 or any(s < 0 for s in starts):
         raise ValueError("need one non-negative start per seed and a non-negative length")
     dev = torch.device(device)
+    if dev.type == "cuda" and HAS_TRITON and OPTIONS["kernel"]:
+        from vocoder.kernels.frame_noise import frame_noise_kernel
+
+        # one launch (vocoder/kernels/frame_noise.py), the same bits; its inputs in one pinned copy
+        keys_starts = torch.tensor([[seed_key(s) for s in seeds], list(starts)], dtype=torch.int64)
+        return frame_noise_kernel(to_device(keys_starts, dev), length, NUM_MELS)
     seed_t = to_device(torch.tensor(seeds, dtype=torch.int64), dev)  # [B] (pinned: no wait for the device)
     key = _mix32(_mix32(seed_t & _MASK32) ^ (seed_t >> 32))[:, None, None]  # [B, 1, 1]
     frames = to_device(torch.tensor(starts, dtype=torch.int64), dev)[:, None] + torch.arange(

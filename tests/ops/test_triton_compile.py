@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from runtime.kernels import elementwise, fp8_gemv, gemv, paged_attention
-from vocoder.kernels import aa_snake, channel_bias, chunk_attention, flow_fused
+from vocoder.kernels import aa_snake, channel_bias, chunk_attention, flow_fused, frame_noise
 
 HOPPER, ADA = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 89, 32)
 
@@ -140,6 +140,16 @@ def test_kernel_compiles_for_hopper_with_and_without_pdl(fn, signature: dict, co
     assert "griddepcontrol.wait" in with_pdl and "griddepcontrol.launch_dependents" in with_pdl
     plain = _ptx(fn, signature, constexprs | {"USE_PDL": False}, HOPPER)
     assert ".entry" in plain and "griddepcontrol" not in plain
+
+
+def test_frame_noise_kernel_compiles_with_one_float64_to_float32_rounding() -> None:
+    """The noise kernel (no PDL: it follows a host copy) does Box-Muller in float64 and rounds once."""
+    ptx = _ptx(frame_noise._frame_noise_kernel, {"keys_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32",
+                                                 "total": "i64"},
+               {"LENGTH": 20, "MELS": 80, "TWO_PI": frame_noise._TWO_PI, "BLOCK": frame_noise.BLOCK}, HOPPER)
+    ops = _opcodes(ptx)
+    assert ".entry" in ptx and "griddepcontrol" not in ptx
+    assert ops.get("cvt.rn.f32.f64", 0) > 0 and ops.get("sqrt.rn.f64", 0) > 0
 
 
 def _opcodes(ptx: str) -> dict[str, int]:
