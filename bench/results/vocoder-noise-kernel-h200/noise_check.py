@@ -1,5 +1,7 @@
 import torch
+
 from vocoder import noise
+
 dev = torch.device("cuda")
 cases = [([0, 7, 2**40 + 5, 2**63 - 1], [0, 3, 27_000_000, 123_456_789_012], 37), ([12345], [40], 20),
          (list(range(256)), [4 * i for i in range(256)], 100)]
