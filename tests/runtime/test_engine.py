@@ -217,6 +217,33 @@ def test_audio_only_steps_skip_the_text_head_and_change_no_row() -> None:
     assert runner.num_audio_only_steps == 5 and runner_whole.num_audio_only_steps == 0
 
 
+def test_bfloat16_logits_sample_the_rows_of_their_float32_widening(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 engine's multi-row steps hand the sampler bf16 logits (runtime/fast_forward.py `float_logits`):
+    a text request beside two speech requests, sampled hot, gets the rows and events of the engine whose steps
+    widen the logits to float32 themselves."""
+    import functools
+
+    import runtime.fast_forward as fast_forward
+
+    rng = random.Random(31)
+    requests = [GenerationRequest("text", prompt(rng, 6, audio_out=False), HOT, HOT, max_new_tokens=4),
+                GenerationRequest("a1", prompt(rng, 5, audio_out=True), HOT, HOT, max_new_tokens=7),
+                GenerationRequest("a2", prompt(rng, 9, audio_out=True), HOT, HOT, max_new_tokens=7)]
+    results = []
+    for float_logits in (False, True):
+        if float_logits:
+            monkeypatch.setattr(fast_forward, "FastForward",
+                                functools.partial(fast_forward.FastForward, float_logits=True))
+        core = EngineCore(build_model(CONFIG, seed=0, dtype=torch.bfloat16), Tokenizer.tiny(),
+                          engine_config(fast_path=True, dtype="bfloat16"))
+        seqs, events = run_core(core, {0: requests})
+        assert core.runner.fast.float_logits is float_logits
+        assert core.runner.num_steps_by_path["graph"] >= 6  # decode steps of 2-3 rows
+        results.append(({k: generated(v) for k, v in seqs.items()}, events))
+    assert results[0] == results[1]
+    assert [r[0] for r in results[0][0]["text"]] != [MODALITY_PAD_ID] * 4  # it did sample text
+
+
 @pytest.mark.parametrize("async_steps", ASYNC_STEPS)
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_preemption_and_recompute_keep_outputs(
