@@ -15,6 +15,18 @@ NUM_AUDIO_CODES = 16384  # valid codes are 0..16383
 SPEAKER_EMBED_DIM = 192
 
 
+def check_schedule(sizes: Any, overlap_samples: int, name: str) -> tuple[int, ...]:
+    """A chunk schedule (sizes in codes) as a tuple; ValueError unless it is non-empty, every size is >= 1
+    and the crossfade overlap held back from each chunk is shorter than its smallest chunk."""
+    chosen = tuple(int(size) for size in sizes) if sizes is not None else ()
+    if not chosen or min(chosen) < 1:
+        raise ValueError(f"{name} must be a non-empty sequence of sizes >= 1, got {sizes!r}")
+    if overlap_samples >= SAMPLES_PER_CODE * min(chosen):
+        raise ValueError(f"{name} {chosen}: overlap_samples ({overlap_samples}) must be shorter than its "
+                         "smallest chunk")
+    return chosen
+
+
 @dataclass(frozen=True)
 class EncoderConfig:
     """Code encoder: embedding, pre-lookahead convs, causal blocks at code rate, x4 upsample, frame blocks."""
@@ -178,18 +190,14 @@ class StreamConfig:
             raise ValueError(f"latency must be one of {LATENCY_MODES}, got {self.latency!r}")
         if self.first_chunk_codes < 1 or self.chunk_codes < 1:
             raise ValueError("first_chunk_codes and chunk_codes must be >= 1")
-        if not self.chunk_schedule_codes or min(self.chunk_schedule_codes) < 1:
-            raise ValueError("chunk_schedule_codes must be a non-empty tuple of sizes >= 1")
-        if not 0 <= self.overlap_samples < SAMPLES_PER_CODE * min(self.chunk_schedule_codes):
-            raise ValueError("overlap_samples must be >= 0 and shorter than the smallest scheduled chunk")
+        if self.overlap_samples < 0:
+            raise ValueError(f"overlap_samples must be >= 0, got {self.overlap_samples}")
+        check_schedule(self.chunk_schedule_codes, self.overlap_samples, "chunk_schedule_codes")
         light = self.light_load_schedule_codes
         if light is not None:
             if self.latency != "low":
                 raise ValueError("light_load_schedule_codes needs latency 'low'")
-            if not light or min(light) < 1:
-                raise ValueError("light_load_schedule_codes must be a non-empty tuple of sizes >= 1")
-            if self.overlap_samples >= SAMPLES_PER_CODE * min(light):
-                raise ValueError("overlap_samples must be shorter than the smallest light-load chunk")
+            check_schedule(light, self.overlap_samples, "light_load_schedule_codes")
             if self.light_load_max_sessions < 1:
                 raise ValueError("light_load_max_sessions must be >= 1")
         for value in (self.vocoder_left_context_frames, self.vocoder_right_context_frames):

@@ -24,8 +24,8 @@ from vocoder.config import (
     LOOKAHEAD_CODES,
     MEL_FRAMES_PER_CODE,
     NUM_AUDIO_CODES,
-    SAMPLES_PER_CODE,
     VocoderConfig,
+    check_schedule,
 )
 from vocoder.flow import FlowDecoder
 from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
@@ -456,11 +456,9 @@ class StreamingVocoder:
         if schedule is None:
             chosen = self.schedule_for_open(len(specs))
         else:
-            chosen = tuple(int(size) for size in schedule)
-            if not self.is_low_latency or not chosen or min(chosen) < 1:
-                raise ValueError(f"a schedule needs low latency and sizes >= 1, got {schedule!r}")
-            if self.overlap_samples >= SAMPLES_PER_CODE * min(chosen):
-                raise ValueError(f"schedule {chosen} has a chunk no longer than the held overlap")
+            if not self.is_low_latency:
+                raise ValueError(f"a schedule needs low latency, got {schedule!r}")
+            chosen = check_schedule(schedule, self.overlap_samples, "schedule")
         if len(self._lanes) > 1 and self.pool.num_used + len(specs) > self.pool.capacity:
             self.reserve_sessions(2 * self.pool.capacity)  # grow while no lane runs, not inside `allocate`
         sessions = []

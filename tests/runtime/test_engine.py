@@ -223,7 +223,7 @@ def test_bfloat16_logits_sample_the_rows_of_their_float32_widening(monkeypatch: 
     widen the logits to float32 themselves."""
     import functools
 
-    import runtime.fast_forward as fast_forward
+    from runtime import fast_forward
 
     rng = random.Random(31)
     requests = [GenerationRequest("text", prompt(rng, 6, audio_out=False), HOT, HOT, max_new_tokens=4),

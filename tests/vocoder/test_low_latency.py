@@ -209,8 +209,10 @@ def test_low_latency_config_validation() -> None:
         StreamConfig(latency="fast").validate()
     with pytest.raises(ValueError, match="chunk_schedule_codes"):
         StreamConfig(chunk_schedule_codes=()).validate()
-    with pytest.raises(ValueError, match="overlap_samples"):
+    with pytest.raises(ValueError, match=r"chunk_schedule_codes \(1, 5\): overlap_samples \(1920\) must be"):
         StreamConfig(chunk_schedule_codes=(1, 5), overlap_samples=1920).validate()
+    with pytest.raises(ValueError, match="overlap_samples must be >= 0, got -1"):
+        StreamConfig(overlap_samples=-1).validate()
     StreamConfig(chunk_schedule_codes=(1, 5), overlap_samples=0).validate()
 
 
