@@ -84,7 +84,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "light_load_max_sessions": args.vocoder_light_load_max_sessions,
                       "triton_kernels": args.vocoder_triton_kernels,
                       "fast_lane_code_budget": args.vocoder_fast_lane_code_budget,
-                      "memory_cap_bytes": args.vocoder_memory_cap_bytes}
+                      "memory_cap_bytes": args.vocoder_memory_cap_bytes,
+                      "check_matmuls": args.vocoder_check_matmuls}
     llm_app = llm.bind(dict(args.engine))
     streaming = {"codes_batch_s": args.codes_batch_s, "policy": args.vocoder_batching,
                  "urgent_buffer_s": args.vocoder_urgent_buffer_s,

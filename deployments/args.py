@@ -86,6 +86,10 @@ class AppArgs(BaseModel):
     # CUDA only: the most device memory the vocoder replica's PyTorch allocator may hold, set before it builds
     # anything (runtime/device_memory.py; the LLM's is `engine.memory_cap_bytes`). For a card both share.
     vocoder_memory_cap_bytes: int | None = Field(default=None, ge=1)
+    # Multiply each distinct matrix of the vocoder's flow at a few row counts and compare with float32 before
+    # the replica serves; a wrong product stops it (runtime/matmul_check.py, as the engine's
+    # `check_matmuls`). None: on CUDA only.
+    vocoder_check_matmuls: bool | None = None
     # Most streams the vocoder deployment advances in one `StreamingVocoder.step` call.
     vocoder_max_batch_size: int = Field(default=32, ge=1, le=1024)
     # Vocoder scheduling (deployments/batcher.py). "deadline": one chunk per stream per step, newcomers

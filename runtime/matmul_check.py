@@ -101,9 +101,9 @@ def distinct_matrices(named: Iterable[tuple[str, Weight]]) -> dict[str, Weight]:
 
 
 def verify_products(matrices: Mapping[str, Weight], rows: Sequence[int] = CHECK_ROWS, *,
-                    dtype: torch.dtype = torch.bfloat16) -> list[ProductCheck]:
+                    dtype: torch.dtype = torch.bfloat16, who: str = "The engine") -> list[ProductCheck]:
     """`check_products`; raises MatmulCheckError naming every wrong product (returns the checks if all are
-    right)."""
+    right). `who`: what refuses to serve, for the message."""
     checks = check_products(matrices, rows, dtype=dtype)
     wrong = [c for c in checks if not c.ok]
     if wrong:
@@ -111,6 +111,6 @@ def verify_products(matrices: Mapping[str, Weight], rows: Sequence[int] = CHECK_
         more = f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""
         raise MatmulCheckError(
             f"{len(wrong)} of {len(checks)} matrix products on this device were wrong: {lines}{more}. "
-            "The engine will not serve with them. Under NVIDIA MPS, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 60-80 did "
+            f"{who} will not serve with them. Under NVIDIA MPS, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 60-80 did "
             "this on an H200 (docs/operations.md); choose another share of the SMs or run without MPS.")
     return checks

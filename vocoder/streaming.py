@@ -16,6 +16,7 @@ import torch
 
 from runtime.device_memory import cap_device_memory
 from runtime.kernels import pdl_launches, resolve_pdl
+from runtime.matmul_check import CHECK_ROWS, ProductCheck, distinct_matrices, verify_products
 from runtime.transfer import to_device
 from vocoder.aa_activation import fuse_activations
 from vocoder.chunking import crossfade_weights, join_chunk, scheduled_chunk_ends
@@ -568,6 +569,17 @@ class StreamingVocoder:
             return LOOKAHEAD_CODES + right_codes + max(s[0] + s[min(1, len(s) - 1)] for s in self.schedules)
         return LOOKAHEAD_CODES + right_codes + stream.first_chunk_codes + stream.chunk_codes
 
+    def check_products(self, rows: Sequence[int] = CHECK_ROWS) -> list[ProductCheck]:
+        """The engine's start-up product check (runtime/matmul_check.py) over the flow's matrices: each
+        distinct shape of its linear layers (code encoder and estimator) times random activations in the
+        vocoder's dtype at each of `rows`, against float32. Raises MatmulCheckError naming every wrong
+        product; returns the checks. (BigVGAN's convolutions run through cuDNN, not these products, and are
+        not checked.)"""
+        named = ((name, module.weight.detach()) for name, module in self.flow.named_modules()
+                 if isinstance(module, torch.nn.Linear))
+        with torch.inference_mode():
+            return verify_products(distinct_matrices(named), rows, dtype=self.dtype, who="The vocoder")
+
     @property
     def num_open_sessions(self) -> int:
         """Sessions opened and not yet finished or closed."""
@@ -897,6 +909,7 @@ def build_for_serving(
     fast_lane_code_budget: int | None = None,
     memory_cap_bytes: int | None = None,
     graphs_after_warmup: bool = True,
+    check_matmuls: bool | None = None,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
     """A vocoder ready for traffic, as the vocoder deployment and bench/pipeline.py build it.
@@ -913,6 +926,8 @@ def build_for_serving(
     `memory_cap_bytes` caps this process's allocator on the vocoder's device before anything is built
     (runtime/device_memory.py; CUDA only). `graphs_after_warmup` False: `freeze_graphs()` after the warm-up,
     so shapes it did not capture run eagerly instead of being captured under traffic (needs `warmup_rows`).
+    `check_matmuls`: run `check_products` first and refuse to build on a wrong product (None: on CUDA only,
+    as the engine's `check_matmuls`).
     Returns the vocoder and the warm-up's figures (empty without one; lanes' and schedules' figures added up).
     """
     if (bucket_shapes or warmup_rows) and not cuda_graphs:
@@ -931,6 +946,8 @@ def build_for_serving(
                                          light_load_max_sessions=light_load_max_sessions)
         from_preset["config"] = dataclasses.replace(cfg, stream=stream)
     voc = StreamingVocoder.from_preset(preset, **from_preset)  # type: ignore[arg-type]
+    if check_matmuls or (check_matmuls is None and voc.device.type == "cuda"):
+        voc.check_products()
     if cuda_graphs:
         voc.use_cuda_graphs(bucket_shapes=bucket_shapes)
     if fast_lane_code_budget is not None:
