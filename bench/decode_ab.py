@@ -43,19 +43,17 @@ from runtime.kernels import paged_attention as attn_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows", "attn_max_parts", "attn_split_two_below")
-BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts",
-                "attn_early_kv")
+BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
 # (attn_dynamic_parts 1 / 0: partitions of each sequence's context or of the table's span), OPTIONS["launch"]
-# (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split),
-# OPTIONS["early_kv"] (attn_early_kv 1 / 0: the unfused kernel's first key tile read before the PDL wait)
+# (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split)
 KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
-                  "attn_launch": (attn_mod.OPTIONS, "launch"), "attn_early_kv": (attn_mod.OPTIONS, "early_kv")}
+                  "attn_launch": (attn_mod.OPTIONS, "launch")}
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:

@@ -30,39 +30,15 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 
 @triton.jit
-def _kv_offsets(tables_ptr, seq, max_blocks, n, nmask, kvh, d, BLOCK_SIZE: tl.constexpr, TOK_STRIDE: tl.constexpr,
-                HEAD_STRIDE: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Cache element offsets [BN, D] of keys n [BN] of sequence `seq`, KV head `kvh`, through its block table."""
-    blk = tl.load(tables_ptr + seq * max_blocks + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-    tok = blk * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (n % BLOCK_SIZE) * TOK_STRIDE  # [BN]
-    return tok[:, None] + kvh * HEAD_STRIDE + d[None, :]
-
-
-@triton.jit
-def _attend_tile(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
-    """One key tile of the online softmax: -> (m_i, l_i, acc) updated with keys k / values v [BN, D]."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
-    s = tl.where(nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, seq_lens_ptr, scale, max_blocks,
     qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
-    KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
+    KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
 ):
-    if not EARLY_KV:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     if KV_FIRST:  # grid (KV heads, sequences, partitions): a sequence's KV heads are launched side by side
         kvh = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
@@ -84,21 +60,6 @@ def _decode_kernel(
         part_len = tl.cdiv(tl.cdiv(seq_len, NUM_PARTS), BLOCK_N) * BLOCK_N
     start = part * part_len
     end = tl.minimum(seq_len, start + part_len)
-    if EARLY_KV:
-        # The partition's first key tile is loaded before waiting for the previous kernel (PDL): the cache
-        # holds every key of the context but this step's new one, which the previous kernel
-        # (`qk_norm_rope_store`) stores; that row is read again after the wait. Only the caller's
-        # unfused path sets EARLY_KV (not FUSE_ROPE, not STORE_ONLY).
-        n_first = start + tl.arange(0, BLOCK_N)
-        first_mask = n_first < end
-        first_off = _kv_offsets(tables_ptr, seq, max_blocks, n_first, first_mask, kvh, d, BLOCK_SIZE, TOK_STRIDE,
-                                HEAD_STRIDE, NUM_KV, HEAD_DIM)
-        k_first = tl.load(k_ptr + first_off, mask=first_mask[:, None], other=0.0)
-        v_first = tl.load(v_ptr + first_off, mask=first_mask[:, None], other=0.0)
-        pdl_enter(USE_PDL)
-        fresh = (first_mask & (n_first == seq_len - 1))[:, None]  # the new key's row, if in this tile
-        k_first = tl.where(fresh, tl.load(k_ptr + first_off, mask=fresh, other=0.0), k_first)
-        v_first = tl.where(fresh, tl.load(v_ptr + first_off, mask=fresh, other=0.0), v_first)
     if STORE_ONLY:  # the row's K/V store alone (FUSE_ROPE): no keys are read, nothing is written to out
         end = start
     if FUSE_ROPE:
@@ -137,18 +98,23 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
-    loop_start = start
-    if EARLY_KV:  # the first tile, loaded above
-        m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, m_i, l_i, acc, qk_scale, DOT_PREC)
-        loop_start = start + BLOCK_N
-    for n0 in range(loop_start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        kv_off = _kv_offsets(tables_ptr, seq, max_blocks, n, nmask, kvh, d, BLOCK_SIZE, TOK_STRIDE, HEAD_STRIDE,
-                             NUM_KV, HEAD_DIM)
+        blk = tl.load(tables_ptr + seq * max_blocks + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        tok = blk * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (n % BLOCK_SIZE) * TOK_STRIDE  # [BN]
+        kv_off = tok[:, None] + kvh * HEAD_STRIDE + d[None, :]  # [BN, D]
         k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_PREC)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+        m_i = m_new
     if STORE_ONLY:
         pass
     elif NUM_PARTS == 1:
@@ -205,11 +171,8 @@ SPLIT_TWO_BELOW = 256
 # "split_two_below": programs under which keys split in 2.
 # "launch": (key tile, warps, stages) for every grid whose keys are not split, in place of `decode_launch`'s
 # choice (None: its choice).
-# "early_kv": the unfused kernel (q from `qk_norm_rope_store`) loads each partition's first key tile before it
-# waits for the previous kernel under PDL, so the cache read overlaps that kernel (see _decode_kernel).
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
-    "early_kv": True,
 }
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
@@ -333,8 +296,7 @@ def _decode(
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
-        EARLY_KV=bool(OPTIONS["early_kv"]) and rope is None, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )
     if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,

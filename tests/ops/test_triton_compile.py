@@ -97,9 +97,6 @@ CASES = [
        {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 0,
         "NUM_PARTS": 8, "DOT_PREC": "tf32", "FUSE_ROPE": fuse, "STORE_ONLY": False})
       for name, fuse in (("decode_attention", False), ("decode_attention_rope", True))],
-    ("decode_attention(early_kv)", paged_attention._decode_kernel, DECODE_SIG,
-     {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 0,
-      "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": False, "STORE_ONLY": False, "EARLY_KV": True}),
     ("decode_merge", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
      | {"out_ptr": "*bf16"}, {"NUM_PARTS": 16, "HEAD_DIM": 128}),
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -143,26 +140,6 @@ def test_kernel_compiles_for_hopper_with_and_without_pdl(fn, signature: dict, co
     assert "griddepcontrol.wait" in with_pdl and "griddepcontrol.launch_dependents" in with_pdl
     plain = _ptx(fn, signature, constexprs | {"USE_PDL": False}, HOPPER)
     assert ".entry" in plain and "griddepcontrol" not in plain
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_decode_attention_reads_its_first_key_tile_before_the_pdl_wait_only_when_early(early: bool) -> None:
-    """EARLY_KV (the unfused split path): the first key tile's loads (and the block table's) come before
-    `griddepcontrol.wait`; q, the new key's row and everything else after it. Without it nothing is read
-    before the wait."""
-    constexprs = {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64,
-                  "PART": 0, "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": False, "STORE_ONLY": False,
-                  "EARLY_KV": early, "USE_PDL": True}
-    ptx = _ptx(paged_attention._decode_kernel, DECODE_SIG, constexprs, HOPPER)
-    before, after = ptx.split("griddepcontrol.wait", 1)
-    loads_before, loads_after = (_opcodes(part) for part in (before, after))
-    global_before = sum(n for op, n in loads_before.items() if op.startswith("ld.global"))
-    assert ptx.count("griddepcontrol.wait") == 1
-    if early:  # seq_len, 4 table entries, 64 keys x 128 values of K and of V: at least 16 vector loads each
-        assert global_before >= 2 * 16
-    else:
-        assert global_before == 0
-    assert sum(n for op, n in loads_after.items() if op.startswith("ld.global")) > 0  # q, partials of the merge
 
 
 def test_frame_noise_kernel_compiles_with_one_float64_to_float32_rounding() -> None:
