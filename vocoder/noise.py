@@ -48,26 +48,30 @@ def check_seed(seed: int) -> int:
     return seed
 
 
-def frame_noise(seed: int, start: int, stop: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+def frame_noise(
+    seed: int, start: int, stop: int, *, device: torch.device | str = "cpu", kernel: bool = True
+) -> torch.Tensor:
     """Standard normal noise for mel frames [start, stop) of a stream: float32 [NUM_MELS, stop - start].
 
     Frame t's values are a pure function of (seed, t), so streams never share or consume RNG state.
     """
     if not 0 <= start <= stop:
         raise ValueError(f"bad frame range [{start}, {stop})")
-    return batch_frame_noise([seed], [start], stop - start, device=device)[0]
+    return batch_frame_noise([seed], [start], stop - start, device=device, kernel=kernel)[0]
 
 
 def batch_frame_noise(
-    seeds: list[int], starts: list[int], length: int, *, device: torch.device | str = "cpu"
+    seeds: list[int], starts: list[int], length: int, *, device: torch.device | str = "cpu", kernel: bool = True
 ) -> torch.Tensor:
-    """Row b holds frames [starts[b], starts[b] + length) of stream seeds[b]: float32 [B, NUM_MELS, length]."""
+    """Row b holds frames [starts[b], starts[b] + length) of stream seeds[b]: float32 [B, NUM_MELS, length].
+    `kernel` False: the eager ops even where the one-launch kernel could run (a vocoder built with
+    `triton_kernels=False`); the same values either way."""
     for seed in seeds:
         check_seed(seed)
     if len(seeds) != len(starts) or length < 0 or any(s < 0 for s in starts):
         raise ValueError("need one non-negative start per seed and a non-negative length")
     dev = torch.device(device)
-    if dev.type == "cuda" and HAS_TRITON and OPTIONS["kernel"]:
+    if kernel and dev.type == "cuda" and HAS_TRITON and OPTIONS["kernel"]:
         from vocoder.kernels.frame_noise import frame_noise_kernel
 
         # one launch (vocoder/kernels/frame_noise.py), the same bits; its inputs in one pinned copy

@@ -673,7 +673,7 @@ class StreamingVocoder:
             speaker = self.flow.speaker_condition(v.speaker_embedding[None].to(self.device, self.dtype))
             cond = torch.zeros_like(mu)
             cond[0, :, : _F * p] = self._prompt_mel(v).to(mu.dtype)
-            noise = frame_noise(seed, 0, _F * n, device=self.device)[None]
+            noise = frame_noise(seed, 0, _F * n, device=self.device, kernel=self.triton_kernels)[None]
             mel, _ = self.flow.solve(mu, speaker, cond, noise)
             full_mel = torch.cat([self._prompt_mel(v).to(mel.dtype), mel[0, :, _F * p :]], dim=1)[None]
             wav = vocode(self.generator, full_mel)[0, _F * p * HOP_LENGTH :]
@@ -789,7 +789,8 @@ class StreamingVocoder:
                 end = min(_F * t, prompt_frames)
                 cond[row, :, : end - f0] = self._prompt_mel(s.voice)[:, f0:end].to(cond.dtype)
         seeds = [s.seed for s, _ in work]
-        noise = batch_frame_noise(seeds, [_F * s.flow_cursor for s, _ in work], t_max, device=self.device)
+        noise = batch_frame_noise(seeds, [_F * s.flow_cursor for s, _ in work], t_max, device=self.device,
+                                  kernel=self.triton_kernels)
         speaker = torch.stack([s.speaker for s, _ in work])  # [B, 80]
         slots = to_device(torch.tensor([s.slot for s, _ in work]), self.device)
         valid = to_device(torch.tensor(new_frames), self.device)

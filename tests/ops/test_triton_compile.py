@@ -145,11 +145,12 @@ def test_kernel_compiles_for_hopper_with_and_without_pdl(fn, signature: dict, co
 def test_frame_noise_kernel_compiles_with_one_float64_to_float32_rounding() -> None:
     """The noise kernel (no PDL: it follows a host copy) does Box-Muller in float64 and rounds once."""
     ptx = _ptx(frame_noise._frame_noise_kernel, {"keys_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32",
-                                                 "total": "i64"},
-               {"LENGTH": 20, "MELS": 80, "TWO_PI": frame_noise._TWO_PI, "BLOCK": frame_noise.BLOCK}, HOPPER)
+                                                 "total": "i64", "length": "i32"},
+               {"MELS": 80, "TWO_PI": frame_noise._TWO_PI, "BLOCK": frame_noise.BLOCK}, HOPPER)
     ops = _opcodes(ptx)
     assert ".entry" in ptx and "griddepcontrol" not in ptx
     assert ops.get("cvt.rn.f32.f64", 0) > 0 and ops.get("sqrt.rn.f64", 0) > 0
+    assert "0d401921FB54442D18" in ptx  # 2 pi as the eager code's float64 product, not rounded to float32
 
 
 def _opcodes(ptx: str) -> dict[str, int]:

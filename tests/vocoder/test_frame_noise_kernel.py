@@ -2,7 +2,7 @@
 
 On CUDA `vocoder.noise.batch_frame_noise` makes its noise with this kernel; it must give the eager ops' bits,
 or a stream's audio would depend on the device path. Cases: large seeds (the key's high word), frames past
-2**32 / 160 (the counter's high word), one frame, and no frames.
+2**32 / 160 (the counter's high word), one frame, no frames, and no streams.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from vocoder import noise
 from vocoder.config import NUM_MELS
 from vocoder.kernels.frame_noise import frame_noise_kernel
 cases = [([0, 7, 2**40 + 5, 2**63 - 1], [0, 3, 27_000_000, 123_456_789_012], 37), ([12345], [40], 1),
-         ([3, 4], [0, 0], 0)]
+         ([3, 4], [0, 0], 0), ([], [], 5)]
 for seeds, starts, length in cases:
     want = noise.batch_frame_noise(seeds, starts, length)
     keys_starts = torch.tensor([[noise.seed_key(s) for s in seeds], starts], dtype=torch.int64)
@@ -27,7 +27,7 @@ for seeds, starts, length in cases:
 
 
 def test_kernel_gives_the_eager_noise_bits(triton_interpreter) -> None:
-    assert triton_interpreter(SCRIPT).split() == ["37", "True", "1", "True", "0", "True"]
+    assert triton_interpreter(SCRIPT).split() == ["37", "True", "1", "True", "0", "True", "5", "True"]
 
 
 def test_seed_key_is_the_eager_hash_of_the_seed() -> None:

@@ -10,6 +10,7 @@ when Triton is present (see vocoder/kernels/__init__.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -31,15 +32,17 @@ def _mix32(x):
 
 
 @triton.jit
-def _frame_noise_kernel(keys_ptr, starts_ptr, out_ptr, total, LENGTH: tl.constexpr, MELS: tl.constexpr,
-                        TWO_PI: tl.constexpr, BLOCK: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # element of out [B, MELS, LENGTH]
+def _frame_noise_kernel(keys_ptr, starts_ptr, out_ptr, total, length, MELS: tl.constexpr, TWO_PI: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # `length` is a run-time argument: a chunk's frame count varies from step to step, and a constexpr would
+    # compile the kernel again for each new one (0.35-0.9 s each)
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # element of out [B, MELS, length]
     mask = e < total
-    row = e // (MELS * LENGTH)
-    rem = e % (MELS * LENGTH)
-    mel_bin = rem // LENGTH
+    row = e // (MELS * length)
+    rem = e % (MELS * length)
+    mel_bin = rem // length
     key = tl.load(keys_ptr + row, mask=mask, other=0)
-    frame = tl.load(starts_ptr + row, mask=mask, other=0) + rem % LENGTH
+    frame = tl.load(starts_ptr + row, mask=mask, other=0) + rem % length
     counter = frame * (2 * MELS) + 2 * mel_bin  # unique per (frame, bin), as in the eager code
     hi = _mix32((counter >> 32) & 0xFFFFFFFF)
     lo = counter & 0xFFFFFFFF
@@ -58,7 +61,8 @@ def frame_noise_kernel(keys_starts: torch.Tensor, length: int, mels: int) -> tor
     out = torch.empty(batch, mels, length, device=keys_starts.device, dtype=torch.float32)
     total = out.numel()
     if total:
-        _frame_noise_kernel[(triton.cdiv(total, BLOCK),)](keys_starts[0], keys_starts[1], out, total,
-                                                          LENGTH=length, MELS=mels, TWO_PI=_TWO_PI,
-                                                          BLOCK=BLOCK, num_warps=4)
+        # Triton launches on the current device (CPU tensors: Triton's interpreter, the tests)
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            _frame_noise_kernel[(triton.cdiv(total, BLOCK),)](keys_starts[0], keys_starts[1], out, total, length,
+                                                              MELS=mels, TWO_PI=_TWO_PI, BLOCK=BLOCK, num_warps=4)
     return out
