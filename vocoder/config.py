@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +17,15 @@ SPEAKER_EMBED_DIM = 192
 
 
 def check_schedule(sizes: Any, overlap_samples: int, name: str) -> tuple[int, ...]:
-    """A chunk schedule (sizes in codes) as a tuple; ValueError unless it is non-empty, every size is >= 1
-    and the crossfade overlap held back from each chunk is shorter than its smallest chunk."""
-    chosen = tuple(int(size) for size in sizes) if sizes is not None else ()
-    if not chosen or min(chosen) < 1:
-        raise ValueError(f"{name} must be a non-empty sequence of sizes >= 1, got {sizes!r}")
+    """A chunk schedule (sizes in codes) as a tuple of ints; ValueError unless it is non-empty, every size is
+    an integer >= 1 (not a float, string or bool) and the crossfade overlap held back from each chunk is
+    shorter than its smallest chunk."""
+    try:
+        chosen = tuple(operator.index(size) for size in sizes if not isinstance(size, bool))
+    except TypeError:
+        chosen = ()
+    if not chosen or len(chosen) != len(sizes) or min(chosen) < 1:
+        raise ValueError(f"{name} must be a non-empty sequence of integer sizes >= 1, got {sizes!r}")
     if overlap_samples >= SAMPLES_PER_CODE * min(chosen):
         raise ValueError(f"{name} {chosen}: overlap_samples ({overlap_samples}) must be shorter than its "
                          "smallest chunk")

@@ -159,7 +159,7 @@ def test_build_for_serving_warms_the_light_schedule_on_both_lanes_within_their_r
 def test_light_load_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="needs latency 'low'"):
         StreamConfig(latency="exact", light_load_schedule_codes=(2, 3)).validate()
-    with pytest.raises(ValueError, match="light_load_schedule_codes must be a non-empty sequence of sizes >= 1"):
+    with pytest.raises(ValueError, match="light_load_schedule_codes must be a non-empty sequence of integer sizes >= 1"):
         StreamConfig(light_load_schedule_codes=(2, 0)).validate()
     with pytest.raises(ValueError, match=r"light_load_schedule_codes \(1, 3\): overlap_samples \(1920\) must be"):
         StreamConfig(light_load_schedule_codes=(1, 3)).validate()

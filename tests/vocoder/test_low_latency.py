@@ -216,6 +216,21 @@ def test_low_latency_config_validation() -> None:
     StreamConfig(chunk_schedule_codes=(1, 5), overlap_samples=0).validate()
 
 
+@pytest.mark.parametrize("sizes", [(1.5, 3), ("2", "3"), (True, 3), (2, 0), (), 5, None])
+def test_schedule_sizes_must_be_integers_of_at_least_one(sizes: object) -> None:
+    from vocoder.config import check_schedule
+
+    with pytest.raises(ValueError, match=r"^chunks must be a non-empty sequence of integer sizes >= 1, got "):
+        check_schedule(sizes, 0, "chunks")
+
+
+def test_schedule_sizes_of_integer_types_are_taken_as_ints() -> None:
+    from vocoder.config import check_schedule
+
+    got = check_schedule([np.int64(2), 3], 0, "chunks")
+    assert got == (2, 3) and all(type(size) is int for size in got)
+
+
 def test_graph_replay_path_matches_eager(codes: list[int], by_one: list[np.ndarray]) -> None:
     # On CPU `use_cuda_graphs` runs the static-buffer path with the functions re-executed instead of graphs.
     voc = StreamingVocoder.from_preset("tiny")
