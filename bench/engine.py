@@ -232,6 +232,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="fast path: interleaved rounds of --reps replays per decode graph (bench/fast_bench.py)")
     p.add_argument("--skip-24gb-profile", action="store_true")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.fast and not args.device.startswith("cuda"):
         p.error("--fast needs a cuda device (Triton kernels, CUDA graphs)")
     if args.preset == "full" and not args.random_weights:

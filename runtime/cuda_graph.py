@@ -302,7 +302,8 @@ class PrefillGraphRunner:
         block_table: torch.Tensor, seq_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """n new rows of one sequence (its context `seq_len` includes them) -> logits of its last row,
-        ([1, Vt], [1, Va]) float32, views of the static output (read before the next `run`)."""
+        ([1, Vt], [1, Va]) (dtype: FastForward's: float32 from the one-row GEMV heads), views of the static
+        output (read before the next `run`)."""
         n = tokens.shape[0]
         bucket = self.bucket_for(n)
         if block_table.shape[0] > self.max_blocks:
