@@ -128,14 +128,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--rounds", type=lambda v: max(1, int(v)), default=3,
-                   help="interleaved rounds of --reps timed replays per decode graph (order reversed each round; "
-                        "at least 1)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of --reps timed replays per decode graph (order reversed each round)")
     p.add_argument("--skip-profile", action="store_true")
     p.add_argument("--launch-variants", default="pdl,tails2,pdl+tails2",
                    help="launch options timed beside the plain graphs: pdl (where the GPU supports it), tails2")
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    return args
 
 
 def main(argv: list[str]) -> dict:
