@@ -573,8 +573,9 @@ class StreamingVocoder:
         """The engine's start-up product check (runtime/matmul_check.py) over the flow's matrices: each
         distinct shape of its linear layers (code encoder and estimator) times random activations in the
         vocoder's dtype at each of `rows`, against float32. Raises MatmulCheckError naming every wrong
-        product; returns the checks. (BigVGAN's convolutions run through cuDNN, not these products, and are
-        not checked.)"""
+        product; returns the checks. (The products run without the layers' biases, through `F.linear`; the
+        biased layers run as one addmm, which cuBLASLt may serve with other kernels. BigVGAN's convolutions run
+        through cuDNN and are not checked.)"""
         named = ((name, module.weight.detach()) for name, module in self.flow.named_modules()
                  if isinstance(module, torch.nn.Linear))
         with torch.inference_mode():
