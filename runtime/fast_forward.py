@@ -101,10 +101,10 @@ class FastForward:
         runtime.kernels.PDL_MODES, or "auto": "wait" where the GPU and Triton support programmatic
         dependent launch, else "off"); results are identical in every mode. Measured on the H200 (4 runs):
         2-3% faster steps of 1-32 rows, even or faster at 64, 1-2% slower at 128 (docs/gpu.md). Since the
-        thirtieth session up to 32 rows: in the engine runs of the twenty-ninth and thirtieth sessions (three
-        timed in sequence, one in interleaved rounds) the 64-row step with PDL was 0.3%, 3.0%, 1.0% and 1.0%
-        slower than without, at 32 rows 0.3% faster to even, at 128 rows 2.9-4.4% slower
-        (bench/results/decode-logits-h200/). (Single-graph A/Bs, bench/decode_ab.py, put 64 even and 128 up
+        thirtieth session up to 32 rows: in the six engine runs of the twenty-ninth and thirtieth sessions
+        (bench/engine.py; the last three in interleaved rounds) the 64-row step with PDL was 0.3%, 3.0%, 1.0%,
+        1.0% and 1.3% slower than without and once even (-0.2%), at 32 rows 0.3% faster to even, at 128 rows
+        1.3-4.5% slower (bench/results/decode-logits-h200/). (Single-graph A/Bs, bench/decode_ab.py, put 64 even and 128 up
         to 2.6% faster: why the engine's many-bucket runners differ was not found.)
         `parallel_tails` (CUDA only; default on there): in decode steps the audio tail and head run on a
         second stream, concurrently with the text tail and head (they share nothing but their input), so the
