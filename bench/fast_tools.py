@@ -43,11 +43,15 @@ def _summary(samples_ms: list[float]) -> dict:
             "p90_ms": round(timing.p90_ms, 4)}
 
 
+def _timing_device(device: torch.device | None) -> torch.device:
+    """`device`, by default the current CUDA device."""
+    return device if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def time_ms(fn: Callable[[], object], warmup: int, reps: int, device: torch.device | None = None) -> dict:
     """Median / p10 / p90 of `reps` timed calls after `warmup` untimed ones: CUDA events on a CUDA device (by
     default the current one), wall clock on the CPU."""
-    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    return _summary(time_fn(fn, dev, warmup, reps).samples_ms)
+    return _summary(time_fn(fn, _timing_device(device), warmup, reps).samples_ms)
 
 
 def time_interleaved(
@@ -56,7 +60,7 @@ def time_interleaved(
     """`time_ms` of each function in `rounds` rounds, the order reversed every other round, so that a drift of
     the device over the sequence (clocks, heat) reaches every function alike -> per name: median / p10 / p90
     of all its timed calls pooled, and each round's median (`round_medians_ms`)."""
-    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    dev = _timing_device(device)
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     medians: dict[str, list[float]] = {n: [] for n in names}

@@ -333,8 +333,7 @@ def launch_next_rows(
         return LaunchedRows([], [], [], [], torch.zeros(0, dtype=torch.long), None)
     uniforms = to_device(torch.tensor([s._draw_uniforms() for s in samplers], dtype=torch.float32), device)  # [S, 2]
 
-    # a float32 copy (the caller may overwrite its logits; a redraw reads this): widened or cloned
-    audio = audio_logits.float() if audio_logits.dtype != torch.float32 else audio_logits.clone()  # [S, Va]
+    audio = _float32_copy(audio_logits)  # [S, Va]
     audio[:, EOSP_ID + 1 :] = -math.inf  # ids above EOSP are never generated
     blocked = [i for i, s in enumerate(samplers) if s.num_generated < s.min_new_tokens]
     if blocked:
@@ -348,15 +347,15 @@ def launch_next_rows(
     text_index = None
     if text_rows:
         assert text_logits is not None  # checked above
-        text = text_logits
         text_uniforms = uniforms[:, 0]
         if len(text_rows) < num_seqs:
             text_index = to_device(torch.tensor(text_rows, dtype=torch.long), device)
-            text, text_uniforms = text.index_select(0, text_index), text_uniforms.index_select(0, text_index)
-        elif text.dtype == torch.float32:
-            text = text.clone()  # a redraw reads it after the caller may have overwritten the logits
+            text = text_logits.index_select(0, text_index).float()  # a copy already
+            text_uniforms = text_uniforms.index_select(0, text_index)
+        else:
+            text = _float32_copy(text_logits)
         text_params = [samplers[i].text_params for i in text_rows]
-        text = _penalise_channel(text.float(), [samplers[i]._text_history for i in text_rows], text_params)
+        text = _penalise_channel(text, [samplers[i]._text_history for i in text_rows], text_params)
         draws.append((text, text_params, text_uniforms))
     results = [_sample_tokens(*draw) for draw in draws]  # ids [S] (audio), then [T] (text)
     flags = [torch.zeros_like(ids, dtype=torch.bool) if ties is None else ties for ids, ties in results]
@@ -375,6 +374,12 @@ def launch_next_rows(
         launched.next_tokens, launched.next_is_audio = _next_inputs(
             results[0][0], results[1][0] if text_rows else None, text_index)
     return launched
+
+
+def _float32_copy(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `logits` (widened, or cloned when already float32): the caller may overwrite its
+    logits once sampling is launched, and a redraw reads the copy later."""
+    return logits.clone() if logits.dtype == torch.float32 else logits.float()
 
 
 def _next_inputs(

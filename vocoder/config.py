@@ -21,10 +21,10 @@ def check_schedule(sizes: Any, overlap_samples: int, name: str) -> tuple[int, ..
     an integer >= 1 (not a float, string or bool) and the crossfade overlap held back from each chunk is
     shorter than its smallest chunk."""
     try:
-        chosen = tuple(operator.index(size) for size in sizes if not isinstance(size, bool))
+        chosen = tuple(operator.index(size) for size in sizes)
     except TypeError:
         chosen = ()
-    if not chosen or len(chosen) != len(sizes) or min(chosen) < 1:
+    if not chosen or any(isinstance(size, bool) for size in sizes) or min(chosen) < 1:
         raise ValueError(f"{name} must be a non-empty sequence of integer sizes >= 1, got {sizes!r}")
     if overlap_samples >= SAMPLES_PER_CODE * min(chosen):
         raise ValueError(f"{name} {chosen}: overlap_samples ({overlap_samples}) must be shorter than its "

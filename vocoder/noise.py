@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,8 +21,8 @@ _MAX_SEED = 2**63 - 1
 OPTIONS = {"kernel": True}
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Integer avalanche hash on int64 tensors holding 32-bit values."""
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """Integer avalanche hash on 32-bit values: int64 tensors or Python ints."""
     x = x ^ (x >> 16)
     x = (x * _MUL_A) & _MASK32
     x = x ^ (x >> 15)
@@ -29,16 +30,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=4096)
 def seed_key(seed: int) -> int:
-    """The 32-bit key a stream's noise is hashed with (the eager code's `key`, in Python ints)."""
-    def mix(x: int) -> int:
-        x ^= x >> 16
-        x = (x * _MUL_A) & _MASK32
-        x ^= x >> 15
-        x = (x * _MUL_B) & _MASK32
-        return x ^ (x >> 16)
-
-    return mix(mix(seed & _MASK32) ^ (seed >> 32))
+    """The 32-bit key a stream's noise is hashed with (the eager code's `key`; `_mix32` on Python ints).
+    Cached: a stream's key is asked for at every step it joins."""
+    return int(_mix32(_mix32(seed & _MASK32) ^ (seed >> 32)))
 
 
 def check_seed(seed: int) -> int:
