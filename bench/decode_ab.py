@@ -40,11 +40,10 @@ from runtime.fast_forward import FastForward
 from runtime.fast_ops import TritonOps
 from runtime.kernels import gemv as gemv_mod
 from runtime.kernels import paged_attention as attn_mod
-from runtime.kernels import splitk as splitk_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows", "attn_max_parts", "attn_split_two_below")
-BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts", "gemm_early")
+BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
@@ -54,7 +53,7 @@ KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (at
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
-                  "attn_launch": (attn_mod.OPTIONS, "launch"), "rows_products": (splitk_mod.OPTIONS, "products")}
+                  "attn_launch": (attn_mod.OPTIONS, "launch")}
 
 
 def parse_variant(text: str) -> tuple[str, int, dict]:
@@ -69,8 +68,6 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
         if value == "none" and key == "attn_max_parts":
             options[key] = None
-        elif key == "rows_products":  # split-K products (rows_gemm=triton), "+"-separated: "o+down"
-            options[key] = tuple(value.split("+"))
         elif key == "attn_launch":
             options[key] = tuple(int(v) for v in value.split(":"))
         elif key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit()):

@@ -86,7 +86,7 @@ class FastForward:
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
         one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 32, parallel_tails: bool | None = None,
-        fused_rope: bool = True, float_logits: bool = False, rows_gemm: str = "cublas", gemm_early: bool = False,
+        fused_rope: bool = True, float_logits: bool = False,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
@@ -145,10 +145,6 @@ class FastForward:
         self.pdl_max_rows = pdl_max_rows
         self.fused_rope = fused_rope
         self.float_logits = float_logits
-        if rows_gemm not in ("cublas", "triton"):
-            raise ValueError(f"rows_gemm must be 'cublas' or 'triton', got {rows_gemm!r}")
-        self.rows_gemm = rows_gemm if isinstance(self.ops, TritonOps) else "cublas"
-        self.gemm_early = gemm_early
         on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
@@ -157,15 +153,7 @@ class FastForward:
         """Key partitions the decode attention uses for this batch size and longest context."""
         return self.ops.decode_num_parts(batch, self.config.num_key_value_heads, max_context)
 
-    def _linear(self, x: torch.Tensor, w: object, *, decode: bool = False, partials: bool = False) -> torch.Tensor:
-        """x @ w.T. In decode steps with `rows_gemm="triton"` a product of ROWS_TILES runs split-K in Triton;
-        `partials`: its consumer is `add_rmsnorm`, which sums the float32 partials itself."""
-        if decode and self.rows_gemm == "triton" and isinstance(w, torch.Tensor):
-            from runtime.kernels.splitk import rows_tiles, splitk_linear
-
-            tiles = rows_tiles(x.shape[0], *w.shape)
-            if tiles is not None:
-                return splitk_linear(x, w, tiles, early=self.gemm_early, partials=partials)
+    def _linear(self, x: torch.Tensor, w: object) -> torch.Tensor:
         return linear(x, w, small_batch_kernel=self.fp8_small_batch)  # type: ignore[arg-type]
 
     def embed(self, tokens: torch.Tensor, is_audio: torch.Tensor) -> torch.Tensor:
@@ -180,21 +168,17 @@ class FastForward:
         `kv_only`: stop once the rows' K/V are in the cache (no attention; nothing after would be read) and
         return the input unchanged; the K/V stores are the kernels the whole layer runs, so they are bit-equal."""
         cfg, ops = self.config, self.ops
-        n = x.shape[-2]  # x: [N, hidden], or split-K partials [P, N, hidden] (see _linear)
+        n = x.shape[0]
         if self.one_row != "cublas" and n == 1:
             return self._layer_one_row(layer, x, residual, step, kv_cache, kv_only=kv_only)
-        decode = step.max_query_len == 1
         h, residual = ops.add_rmsnorm(x, residual, layer.input_norm, cfg.rms_norm_eps)  # [N, hidden]
-        qkv = self._linear(h, layer.qkv, decode=decode)  # [N, (H + 2KV) * D]
+        qkv = self._linear(h, layer.qkv)  # [N, (H + 2KV) * D]
         attn = self._attention(layer, qkv, step, kv_cache, store_only=kv_only)  # [N, H, D]
         if attn is None:
             return x, residual
-        # o and down feed add_rmsnorm only (here, the next layer's, a head's): split-K partials stay unreduced
-        o = self._linear(attn.reshape(n, cfg.num_attention_heads * cfg.head_dim), layer.o, decode=decode,
-                         partials=True)  # [N, hidden]
+        o = self._linear(attn.reshape(n, cfg.num_attention_heads * cfg.head_dim), layer.o)  # [N, hidden]
         h, residual = ops.add_rmsnorm(o, residual, layer.post_norm, cfg.rms_norm_eps)
-        gate_up = self._linear(h, layer.gate_up, decode=decode)
-        down = self._linear(ops.silu_mul(gate_up), layer.down, decode=decode, partials=True)  # [N, hidden]
+        down = self._linear(ops.silu_mul(self._linear(h, layer.gate_up)), layer.down)  # [N, hidden]
         return down, residual
 
     def _layer_one_row(
@@ -261,7 +245,7 @@ class FastForward:
         if step.max_query_len != 1:  # only each sequence's last row reaches the head
             x = x.index_select(0, step.logits_indices)
             residual = None if residual is None else residual.index_select(0, step.logits_indices)
-        if self.one_row == "gemv" and x.shape[-2] == 1:
+        if self.one_row == "gemv" and x.shape[0] == 1:
             from runtime.kernels.gemv import RMSNORM
 
             # float32 logits straight from the kernel (rounded to bf16 first: the values of `.float()`)

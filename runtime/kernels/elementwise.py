@@ -21,22 +21,13 @@ from runtime.kernels.launch import pdl_args, pdl_enter
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, PARTS: tl.constexpr = 0,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if PARTS > 0:  # x: float32 partial products [PARTS, rows, n_cols], summed in order, rounded like a product
-        n_rows = tl.num_programs(0).to(tl.int64)
-        xs = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, PARTS):
-            xs += tl.load(x_ptr + (s * n_rows + row) * n_cols + cols, mask=mask, other=0.0)
-        x = xs.to(out_ptr.dtype.element_ty)
-        if not HAS_RES:
-            tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    else:
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -54,25 +45,21 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [N, C] -> (rmsnorm(x + residual) * weight [N, C], x + residual [N, C]).
 
-    With `residual=None` the sum is x itself (first layer), returned as is. x may also be the float32
-    partial products of a split-K product, [P, N, C] (runtime/kernels/splitk.py): their sum in order, rounded
-    to the weight's dtype, is x (what the product's own reduction would give).
+    With `residual=None` the sum is x itself (first layer), returned as is.
     """
-    assert x.is_contiguous() and x.dim() in (2, 3)
-    parts = x.shape[0] if x.dim() == 3 else 0
-    n_rows, n_cols = x.shape[-2:]
-    out = torch.empty(n_rows, n_cols, device=x.device, dtype=weight.dtype if parts else x.dtype)
+    assert x.is_contiguous() and x.dim() == 2
+    n_rows, n_cols = x.shape
+    out = torch.empty_like(x)
     block = triton.next_power_of_2(n_cols)
     warps = 8 if block >= 4096 else 4
     if residual is None:
-        summed = torch.empty_like(out) if parts else x
-        _add_rmsnorm_kernel[(n_rows,)](x, x, weight, out, summed, n_cols, eps, HAS_RES=False, BLOCK=block,
-                                       PARTS=parts, num_warps=warps, **pdl_args())
-        return out, summed
-    assert residual.is_contiguous() and residual.shape == out.shape
-    summed = torch.empty_like(out)
+        _add_rmsnorm_kernel[(n_rows,)](x, x, weight, out, x, n_cols, eps, HAS_RES=False, BLOCK=block,
+                                       num_warps=warps, **pdl_args())
+        return out, x
+    assert residual.is_contiguous() and residual.shape == x.shape
+    summed = torch.empty_like(x)
     _add_rmsnorm_kernel[(n_rows,)](x, residual, weight, out, summed, n_cols, eps, HAS_RES=True, BLOCK=block,
-                                   PARTS=parts, num_warps=warps, **pdl_args())
+                                   num_warps=warps, **pdl_args())
     return out, summed
 
 
