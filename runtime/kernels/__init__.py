@@ -7,11 +7,10 @@ Programmatic dependent launch (PDL, Hopper and newer): inside `pdl_launches(mode
 launched so that each may start while the kernel before it is still running. Every such kernel waits for
 its predecessor (`griddepcontrol.wait`) before it reads anything a predecessor wrote or writes anything,
 so results are identical; what overlaps is a kernel's launch and scheduling with its predecessor's last
-wave. Modes: "off" (ordinary launches), "wait" (each kernel waits at its start, then lets its
-successor launch) and "early" (each kernel lets its successor launch first, then waits: a successor may be
-resident while two kernels before it still run; it still reads nothing before its predecessor, which
-finished after its own predecessor, has finished). A mode that also prefetched the GEMV's weight rows into L2 before the wait was
-slower on the H200 (docs/gpu.md) and was removed. The mode is per thread (an engine thread and a vocoder
+wave. Modes: "off" (ordinary launches) and "wait" (each kernel waits at its start, then lets its
+successor launch). A third mode that also prefetched the GEMV's weight rows into L2 before the wait was
+slower on the H200 (docs/gpu.md) and was removed, as was one that let the successor launch before the wait
+(bench/results/pdl-early-h200/). The mode is per thread (an engine thread and a vocoder
 thread of one process do not see each other's), and the vocoder's kernels use the same helpers.
 """
 from __future__ import annotations
@@ -28,7 +27,7 @@ try:  # pragma: no cover - depends on the machine
 except ImportError:  # pragma: no cover - CPU CI has no triton
     HAS_TRITON = False
 
-PDL_MODES = ("off", "wait", "early")
+PDL_MODES = ("off", "wait")
 _pdl = threading.local()
 
 

@@ -12,20 +12,15 @@ from runtime.kernels import pdl_mode
 
 
 def pdl_args() -> dict:
-    """`USE_PDL` (0 "off", 1 "wait", 2 "early") and Triton's `launch_pdl` option for the mode in force."""
-    mode = pdl_mode()
-    return {"USE_PDL": {"off": 0, "wait": 1, "early": 2}[mode], "launch_pdl": mode != "off"}
+    """`USE_PDL` and Triton's `launch_pdl` option for the mode in force."""
+    on = pdl_mode() != "off"
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """Wait until the previous kernel has finished and its writes are visible, and let the next kernel
-    launch: after the wait (USE_PDL 1 or True) or before it (2). Either way the next kernel waits in turn
-    for this one to finish, which it does only after its own wait, so ordering stays transitive. A no-op
-    without PDL."""
-    if USE_PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif USE_PDL:
+    """Wait until the previous kernel has finished and its writes are visible, then let the next kernel
+    launch (it waits in turn, so ordering stays transitive). A no-op without PDL."""
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -142,17 +142,6 @@ def test_kernel_compiles_for_hopper_with_and_without_pdl(fn, signature: dict, co
     assert ".entry" in plain and "griddepcontrol" not in plain
 
 
-def test_pdl_modes_order_the_wait_and_the_successor_launch() -> None:
-    """USE_PDL 1 ("wait"): the kernel waits on its predecessor, then lets its successor launch; 2 ("early"):
-    the other order. Both before the kernel's first load."""
-    sig = _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr") | {"n_cols": "i32", "eps": "fp32"}
-    for mode, first, second in ((1, "griddepcontrol.wait", "griddepcontrol.launch_dependents"),
-                                (2, "griddepcontrol.launch_dependents", "griddepcontrol.wait")):
-        ptx = _ptx(elementwise._add_rmsnorm_kernel, sig, {"HAS_RES": True, "BLOCK": 4096, "USE_PDL": mode}, HOPPER)
-        assert ptx.count(first) == 1 and ptx.count(second) == 1
-        assert ptx.index(first) < ptx.index(second) < ptx.index("ld.global"), mode
-
-
 def test_frame_noise_kernel_compiles_with_one_float64_to_float32_rounding() -> None:
     """The noise kernel (no PDL: it follows a host copy) does Box-Muller in float64 and rounds once."""
     ptx = _ptx(frame_noise._frame_noise_kernel, {"keys_ptr": "*i64", "starts_ptr": "*i64", "out_ptr": "*fp32",

@@ -380,7 +380,7 @@ def test_pdl_covers_decode_steps_up_to_pdl_max_rows_and_prefill_up_to_its_own_li
 def test_launch_options_are_validated_and_inert_off_cuda(model: MossSpeechForCausalLM) -> None:
     weights = fuse_model_weights(model)
     with pytest.raises(ValueError, match="pdl must be one of"):
-        FastForward(weights, TorchOps(), pdl="soon")
+        FastForward(weights, TorchOps(), pdl="early")
     fast = FastForward(weights, TorchOps(), pdl="wait", parallel_tails=True)
     assert fast.pdl == "off" and fast.tail_stream is None  # PyTorch ops, CPU: neither applies
     cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
