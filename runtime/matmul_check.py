@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from runtime import fp8
 from runtime.fp8 import Fp8Weight, Weight
@@ -40,13 +41,15 @@ class ProductCheck:
     in_features: int
     nonfinite: int  # outputs that are NaN or infinite
     rel_err: float  # over the finite outputs
+    bias: bool = False  # the product with the layer's bias added in the same call (addmm)
 
     @property
     def ok(self) -> bool:
         return self.nonfinite == 0 and self.rel_err <= TOLERANCE
 
     def describe(self) -> str:
-        return (f"{self.name} [{self.rows} x {self.in_features}] @ [{self.in_features} x {self.out_features}]: "
+        plus = " + bias" if self.bias else ""
+        return (f"{self.name} [{self.rows} x {self.in_features}] @ [{self.in_features} x {self.out_features}]{plus}: "
                 f"{self.nonfinite} non-finite outputs, relative error {self.rel_err:.3g}")
 
 
@@ -62,29 +65,36 @@ def _blocks(w: Weight) -> Iterator[tuple[int, torch.Tensor]]:
 
 def check_products(
     matrices: Mapping[str, Weight], rows: Sequence[int] = CHECK_ROWS, *, dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
+    seed: int = 0, biases: Mapping[str, torch.Tensor] | None = None,
 ) -> list[ProductCheck]:
     """Each matrix times normal(0, 1) activations of each row count, through `runtime.fp8.linear` (the
     fast path's product), against float32 (compared a block of output channels at a time, so no float32
-    copy of a whole head or of its product exists)."""
+    copy of a whole head or of its product exists). `biases`: for the matrices it names, the product is
+    `F.linear` with that bias, as an `nn.Linear` with a bias runs it (one addmm, which cuBLASLt may serve
+    with other kernels than the plain product), and the reference adds the bias."""
+    biases = biases or {}
     out: list[ProductCheck] = []
     for name, w in matrices.items():
         n, k = w.shape
         device = (w.weight if isinstance(w, Fp8Weight) else w).device
         gen = torch.Generator(device=device).manual_seed(seed)
+        bias = biases.get(name)
+        assert bias is None or isinstance(w, torch.Tensor), f"{name}: a biased product takes a plain matrix"
         for m in rows:
             x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-            y = fp8.linear(x, w)  # [m, n]
+            y = fp8.linear(x, w) if bias is None else F.linear(x, w, bias)  # [m, n]
             x32 = x.float()
             nonfinite, err, scale = 0, 0.0, 0.0
             for start, block in _blocks(w):
                 ref = x32 @ block.T  # [m, chunk]
+                if bias is not None:
+                    ref += bias[start : start + block.shape[0]].float()
                 part = y[:, start : start + block.shape[0]].float()
                 bad = ~torch.isfinite(part)
                 nonfinite += int(bad.sum().item())
                 err = max(err, float((part - ref).abs().masked_fill(bad, 0).max().item()))
                 scale = max(scale, float(ref.abs().max().item()))
-            out.append(ProductCheck(name, m, n, k, nonfinite, err / max(scale, 1e-30)))
+            out.append(ProductCheck(name, m, n, k, nonfinite, err / max(scale, 1e-30), bias is not None))
     return out
 
 
@@ -101,10 +111,11 @@ def distinct_matrices(named: Iterable[tuple[str, Weight]]) -> dict[str, Weight]:
 
 
 def verify_products(matrices: Mapping[str, Weight], rows: Sequence[int] = CHECK_ROWS, *,
-                    dtype: torch.dtype = torch.bfloat16, who: str = "The engine") -> list[ProductCheck]:
+                    dtype: torch.dtype = torch.bfloat16, who: str = "The engine",
+                    biases: Mapping[str, torch.Tensor] | None = None) -> list[ProductCheck]:
     """`check_products`; raises MatmulCheckError naming every wrong product (returns the checks if all are
     right). `who`: what refuses to serve, for the message."""
-    checks = check_products(matrices, rows, dtype=dtype)
+    checks = check_products(matrices, rows, dtype=dtype, biases=biases)
     wrong = [c for c in checks if not c.ok]
     if wrong:
         lines = "; ".join(c.describe() for c in wrong[:8])

@@ -572,14 +572,16 @@ class StreamingVocoder:
     def check_products(self, rows: Sequence[int] = CHECK_ROWS) -> list[ProductCheck]:
         """The engine's start-up product check (runtime/matmul_check.py) over the flow's matrices: each
         distinct shape of its linear layers (code encoder and estimator) times random activations in the
-        vocoder's dtype at each of `rows`, against float32. Raises MatmulCheckError naming every wrong
-        product; returns the checks. (The products run without the layers' biases, through `F.linear`; the
-        biased layers run as one addmm, which cuBLASLt may serve with other kernels. BigVGAN's convolutions run
-        through cuDNN and are not checked.)"""
-        named = ((name, module.weight.detach()) for name, module in self.flow.named_modules()
-                 if isinstance(module, torch.nn.Linear))
+        vocoder's dtype at each of `rows`, against float32, with the layer's bias where it has one (the layer
+        then runs as one addmm, which cuBLASLt may serve with other kernels than the plain product: a shape
+        of biased and unbiased layers is checked both ways). Raises MatmulCheckError naming every wrong
+        product; returns the checks. (BigVGAN's convolutions run through cuDNN and are not checked.)"""
+        linears = [(name, m) for name, m in self.flow.named_modules() if isinstance(m, torch.nn.Linear)]
+        plain = distinct_matrices((name, m.weight.detach()) for name, m in linears if m.bias is None)
+        biased = distinct_matrices((name, m.weight.detach()) for name, m in linears if m.bias is not None)
+        biases = {name: m.bias.detach() for name, m in linears if name in biased}
         with torch.inference_mode():
-            return verify_products(distinct_matrices(named), rows, dtype=self.dtype, who="The vocoder")
+            return verify_products(plain | biased, rows, dtype=self.dtype, who="The vocoder", biases=biases)
 
     @property
     def num_open_sessions(self) -> int:

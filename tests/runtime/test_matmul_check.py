@@ -86,6 +86,19 @@ def test_finite_but_unrelated_values_are_wrong(monkeypatch, tiny_model) -> None:
     assert all(c.ok for c in checks if c.rows != 2)
 
 
+def test_a_biased_product_is_checked_with_its_bias(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, 32, generator=gen), 10 * torch.randn(48, generator=gen)
+    checks = check_products({"w": w}, (4, 513), dtype=torch.float32, biases={"w": b})
+    assert [(c.rows, c.bias, c.ok) for c in checks] == [(4, True, True), (513, True, True)]
+    assert max(c.rel_err for c in checks) < 1e-5
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, bias=None: linear(x, w))  # bias dropped
+    dropped = check_products({"w": w}, (4,), dtype=torch.float32, biases={"w": b})
+    assert [(c.bias, c.nonfinite, c.ok) for c in dropped] == [(True, 0, False)] and dropped[0].rel_err > 0.25
+    assert dropped[0].describe().startswith("w [4 x 32] @ [32 x 48] + bias: 0 non-finite outputs")
+
+
 def test_the_engine_refuses_to_start_on_wrong_products(monkeypatch) -> None:
     monkeypatch.setattr(runtime.fp8, "linear", _broken_for(16512, 64, float("inf")))
     with pytest.raises(MatmulCheckError, match=r"audio_head \[64 x 64\] @ \[64 x 16512\]"):

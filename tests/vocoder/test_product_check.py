@@ -14,21 +14,38 @@ from vocoder.streaming import build_for_serving
 def test_each_distinct_flow_matrix_is_checked_at_each_row_count() -> None:
     checks = StreamingVocoder.from_preset("tiny").check_products()
     shapes = {(c.out_features, c.in_features) for c in checks}
-    # tiny's flow: 10 distinct linear shapes (encoder blocks, projections, estimator MLPs and blocks)
-    assert len(shapes) == 10 and len(checks) == 10 * len(CHECK_ROWS)
+    # tiny's flow: 10 distinct linear shapes (encoder blocks, projections, estimator MLPs and blocks); the
+    # encoder's qkv has a bias and the estimator's, of the same shape, has none: that shape is checked both ways
+    assert len(shapes) == 10 and len(checks) == 11 * len(CHECK_ROWS)
     assert {c.rows for c in checks} == set(CHECK_ROWS) and all(c.ok for c in checks)
+    unbiased = {(c.name, c.out_features, c.in_features) for c in checks if not c.bias}
+    assert unbiased == {("estimator.down_tf.0.qkv", 192, 64)}
+    assert {(c.out_features, c.in_features) for c in checks if c.bias} == shapes
 
 
 def test_a_wrong_product_stops_the_build_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     linear = runtime.fp8.linear
 
-    def broken(x, w, **kwargs):  # the encoder blocks' qkv product at 513 rows gives NaN
+    def broken(x, w, **kwargs):  # the estimator blocks' qkv product (no bias) at 513 rows gives NaN
         y = linear(x, w, **kwargs)
         return torch.full_like(y, float("nan")) if (w.shape[0], x.shape[0]) == (192, 513) else y
 
     monkeypatch.setattr(runtime.fp8, "linear", broken)
-    with pytest.raises(MatmulCheckError, match=r"1 of 60 matrix products .* encoder\.code_blocks\.0\.qkv "
+    with pytest.raises(MatmulCheckError, match=r"1 of 66 matrix products .* estimator\.down_tf\.0\.qkv "
                                                 r"\[513 x 64\] @ \[64 x 192\]: 98496 non-finite .* The vocoder will not"):
+        build_for_serving("tiny", check_matmuls=True)
+
+
+def test_a_wrong_biased_product_stops_the_build_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    linear = torch.nn.functional.linear
+
+    def broken(x, w, bias=None):  # addmm of the encoder's qkv at 16 rows adds its bias a thousand times
+        return linear(x, w, 1000 * bias) if bias is not None and (w.shape[0], x.shape[0]) == (192, 16) \
+            else linear(x, w, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", broken)
+    with pytest.raises(MatmulCheckError, match=r"1 of 66 matrix products .* encoder\.code_blocks\.0\.qkv "
+                                                r"\[16 x 64\] @ \[64 x 192\] \+ bias: 0 non-finite outputs, relative error"):
         build_for_serving("tiny", check_matmuls=True)
 
 
