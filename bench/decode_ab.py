@@ -10,8 +10,9 @@ set while that variant's graph is captured (`gemv_fold`: runtime/kernels/gemv.py
 its own graph over the same KV cache (512-token contexts) and inputs. Before timing, its logits are compared
 with the first variant of the same weights and batch (launch options must leave them bit-identical;
 another one-row mode rounds differently: max abs difference and top-1 agreement are reported). Timings:
-median of `--reps` replays per round; rounds alternate the order; the reported figure is the median of
-the rounds. bench/engine.py stays the run the README quotes; this is for deciding what it should time.
+median of `--reps` replays per round after `--warmup` untimed ones; rounds alternate the order; the
+reported figure is the median of the rounds. bench/engine.py stays the run the README quotes; this is for
+deciding what it should time.
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def main(argv: list[str]) -> dict:
                    help="block-table width of the graphs (default: context + 64); serving's configs use 4096")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="untimed replays before each variant's timed ones")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -140,7 +142,7 @@ def main(argv: list[str]) -> dict:
     for rnd in range(args.rounds):
         for i in (order if rnd % 2 == 0 else order[::-1]):
             r = runners[i]
-            timings[i].append(time_ms(r.graphs[r.buckets[0]].replay, 3, args.reps)["median_ms"])
+            timings[i].append(time_ms(r.graphs[r.buckets[0]].replay, args.warmup, args.reps)["median_ms"])
         log(f"round {rnd}: " + ", ".join(f"{timings[i][-1]:.3f}" for i in order))
     kv_per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
     for row, ts in zip(rows, timings, strict=True):
