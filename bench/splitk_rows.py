@@ -29,11 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log
+from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
+from bench.rows_gemm import CALLS, sweep_product
 from runtime.kernels.launch import pdl_args, pdl_enter
 
 
@@ -144,7 +144,6 @@ def splitk_linear(
 
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SPLITS = {"qkv": "1,2,4", "o": "1,2,4", "gate_up": "1", "down": "2,3,4,6"}
-CALLS = 16
 
 
 def candidates(n: int, k: int, m: int, splits: list[int], bns: list[int], bks: list[int], loads: list[int]) -> list:
@@ -160,6 +159,13 @@ def candidates(n: int, k: int, m: int, splits: list[int], bns: list[int], bks: l
                 for tma in loads:
                     out.append((bn, bk, warps, 4 if bk == 64 else 3, split, bool(tma)))
     return out
+
+
+def _split_kernel_alone(entry: dict, x: torch.Tensor, ws: list[torch.Tensor], tiles: tuple) -> None:
+    """The split kernel's time without the partials' reduction (what a consumer that sums them pays)."""
+    if tiles[4] > 1:
+        us = graph_us_per_call([functools.partial(splitk_partials, x, ws[i % 4], tiles) for i in range(CALLS)])
+        entry["split_kernel_us"] = round(us, 2)
 
 
 def main() -> None:
@@ -192,37 +198,9 @@ def main() -> None:
             continue
         n, k = MATRICES[name]
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
-        nbytes = n * k * 2
         for m in ints(args.rows):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.float() @ ws[0].float().t()
-            cublas_out = F.linear(x, ws[0]).float()
-            cublas_us = graph_us_per_call([functools.partial(F.linear, x, ws[i % 4]) for i in range(CALLS)])
-            row = {"matrix": name, "n": n, "k": k, "m": m, "cublas_us": round(cublas_us, 2),
-                   "cublas_gbps": round(nbytes / cublas_us / 1e3, 1),
-                   "cublas_rel_err": float((cublas_out - ref).norm() / ref.norm()), "tiles": []}
-            for tiles in candidates(n, k, m, ints(splits[name]), ints(args.bn), ints(args.bk), ints(args.loads)):
-                entry: dict = {"tiles": list(tiles)}
-                try:
-                    got = splitk_linear(x, ws[0], tiles).float()
-                    entry["rel_err"] = float((got - ref).norm() / ref.norm())
-                    entry["finite"] = bool(torch.isfinite(got).all())
-                    entry["max_abs_vs_cublas"] = float((got - cublas_out).abs().max())
-                    if entry["rel_err"] < 1e-2 and entry["finite"]:
-                        us = graph_us_per_call([functools.partial(splitk_linear, x, ws[i % 4], tiles)
-                                                for i in range(CALLS)])
-                        entry.update(us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
-                                     vs_cublas=round(cublas_us / us, 3))
-                        if tiles[4] > 1:
-                            main_us = graph_us_per_call([functools.partial(splitk_partials, x, ws[i % 4], tiles)
-                                                         for i in range(CALLS)])
-                            entry["split_kernel_us"] = round(main_us, 2)
-                except Exception as exc:  # noqa: BLE001 - reported in the JSON (e.g. too much shared memory)
-                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                row["tiles"].append(entry)
-            row["best"] = fastest(row["tiles"])
-            log(f"{name} m={m}: cuBLAS {row['cublas_us']} us ({row['cublas_gbps']} GB/s); best {row['best']}")
-            result["rows"].append(row)
+            cands = candidates(n, k, m, ints(splits[name]), ints(args.bn), ints(args.bk), ints(args.loads))
+            result["rows"].append(sweep_product(name, m, ws, cands, splitk_linear, _split_kernel_alone))
             emit(result, out)
         del ws
     result["wall_s"] = round(time.perf_counter() - t0, 1)
