@@ -34,7 +34,7 @@ from bench.fast_tools import (
     emit,
     log,
     logit_compare,
-    time_ms,
+    time_interleaved,
 )
 from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward
@@ -137,15 +137,12 @@ def main(argv: list[str]) -> dict:
         rows.append(row)
     log(f"captured {len(runners)} graphs")
 
-    timings: list[list[float]] = [[] for _ in runners]
-    order = list(range(len(runners)))
-    for rnd in range(args.rounds):
-        for i in (order if rnd % 2 == 0 else order[::-1]):
-            r = runners[i]
-            timings[i].append(time_ms(r.graphs[r.buckets[0]].replay, args.warmup, args.reps)["median_ms"])
-        log(f"round {rnd}: " + ", ".join(f"{timings[i][-1]:.3f}" for i in order))
+    # keyed by position: the same variant may be given twice (a duplicate baseline)
+    timed = time_interleaved({str(i): r.graphs[r.buckets[0]].replay for i, r in enumerate(runners)}, args.warmup,
+                             args.reps, args.rounds)
     kv_per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
-    for row, ts in zip(rows, timings, strict=True):
+    for i, row in enumerate(rows):
+        ts = timed[str(i)]["round_medians_ms"]
         med = statistics.median(ts)
         moved = row["matrix_bytes"] + row["batch"] * (ctx + 1) * kv_per_token
         row.update({"median_ms": round(med, 4), "rounds_ms": [round(t, 4) for t in ts],

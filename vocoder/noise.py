@@ -67,17 +67,14 @@ def batch_frame_noise(
     if len(seeds) != len(starts) or length < 0 or any(s < 0 for s in starts):
         raise ValueError("need one non-negative start per seed and a non-negative length")
     dev = torch.device(device)
+    # each stream's hashed seed and first frame, in one pinned copy (no wait for the device)
+    keys_starts = to_device(torch.tensor([[seed_key(s) for s in seeds], list(starts)], dtype=torch.int64), dev)
     if kernel and dev.type == "cuda" and HAS_TRITON and OPTIONS["kernel"]:
         from vocoder.kernels.frame_noise import frame_noise_kernel
 
-        # one launch (vocoder/kernels/frame_noise.py), the same bits; its inputs in one pinned copy
-        keys_starts = torch.tensor([[seed_key(s) for s in seeds], list(starts)], dtype=torch.int64)
-        return frame_noise_kernel(to_device(keys_starts, dev), length, NUM_MELS)
-    seed_t = to_device(torch.tensor(seeds, dtype=torch.int64), dev)  # [B] (pinned: no wait for the device)
-    key = _mix32(_mix32(seed_t & _MASK32) ^ (seed_t >> 32))[:, None, None]  # [B, 1, 1]
-    frames = to_device(torch.tensor(starts, dtype=torch.int64), dev)[:, None] + torch.arange(
-        length, device=dev
-    )  # [B, T]
+        return frame_noise_kernel(keys_starts, length, NUM_MELS)  # one launch, the same bits
+    key = keys_starts[0][:, None, None]  # [B, 1, 1]
+    frames = keys_starts[1][:, None] + torch.arange(length, device=dev)  # [B, T]
     bins = torch.arange(NUM_MELS, dtype=torch.int64, device=dev)  # [M]
     counter = frames[:, None, :] * (2 * NUM_MELS) + 2 * bins[None, :, None]  # [B, M, T], unique per (t, bin)
     hi = _mix32((counter >> 32) & _MASK32)
