@@ -13,6 +13,7 @@ import torch
 
 from runtime.fast_ops import TorchOps, TritonOps, rope_tables, rope_then_attend
 from runtime.fp8 import linear, quantize_weight
+from runtime.kv_cache import quantize_rows
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -48,7 +49,7 @@ def run_kernel_checks(device: torch.device, **shape: int) -> list[dict]:
     """Every check, each guarded: an exception becomes a failed entry with its message."""
     out: list[dict] = []
     for check in (_check_norms, _check_qk_rope, _check_silu, _check_embed, _check_decode, _check_decode_rope,
-                  _check_prefill, _check_fp8, _check_gemv):
+                  _check_prefill, _check_fp8, _check_gemv, _check_fp8_kv):
         try:
             out.extend(check(device, **shape))
         except Exception as exc:  # noqa: BLE001 - reported, and the op falls back to PyTorch
@@ -213,6 +214,88 @@ def _check_prefill(device: torch.device, heads: int = 32, kv: int = 8, dim: int 
               ref.prefill_attention(q, kc, vc, tables, s_t, qs, max(q_lens)))
     out.append({"kernel": "prefill_attention", **d, "ok": d["rel_l2"] < 2e-2 and d["finite"]})
 
+    return out
+
+
+def fp8_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One layer's cache [blocks, block_size, KV, D] as FP8 codes (k, v) and their scales [blocks, KV,
+    block_size] as the ops' keyword arguments (runtime/kv_cache.py)."""
+    (k8, k_s), (v8, v_s) = quantize_rows(k), quantize_rows(v)
+    return k8, v8, {"k_scale": k_s.transpose(1, 2).contiguous(), "v_scale": v_s.transpose(1, 2).contiguous()}
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of elements stored with the same bits."""
+    return float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean()) if a.element_size() == 1 else float(
+        (a == b).float().mean())
+
+
+def _check_fp8_kv(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
+    """The kernels on an FP8 cache against the PyTorch ops on the same codes and scales. The store quantizes
+    as `quantize_rows` does: V codes and every scale bit for bit, K codes as far as K itself is (its bf16
+    rows may differ from PyTorch's in a last bit); attention within bf16 rounding of the PyTorch ops, fused
+    and unfused, 1 and 4 key partitions, prefill over earlier pages. The quantization's own effect (the
+    same attention over the bf16 rows the codes came from) is reported as `vs_bf16_cache`."""
+    ref, fast, gen, randn = _setup(device)
+    out: list[dict] = []
+    blocks, block_size = 200, 16
+    # the store: fresh rows into an FP8 cache, codes and scales compared with PyTorch's
+    seq_lens_list = [1, 37, 600, 257, 64]
+    n = len(seq_lens_list)
+    tables, seq_lens = _decode_tables(seq_lens_list, blocks, block_size, device, gen)
+    pos = seq_lens.long() - 1
+    slots = (tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size)
+    slots[4] = -1  # a padding row: not stored
+    qkv = randn(n, (heads + 2 * kv) * dim)
+    qkv[1, (heads + kv) * dim:(heads + kv + 1) * dim] = 0  # a zero V row: scale 0, codes 0
+    qn, kn = randn(dim, scale=0.2) + 1, randn(dim, scale=0.2) + 1
+    cos, sin = rope_tables(4096, dim, 1e6, torch.bfloat16, device)
+    k16, v16 = _cache(blocks, block_size, kv, dim, device, gen)
+    k8, v8, scales = fp8_cache(k16, v16)
+    fresh = {name: (k8.clone(), v8.clone(), {k: t.clone() for k, t in scales.items()}) for name in ("triton", "torch")}
+    qa = fast.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, slots, *fresh["triton"][:2], heads, kv, 1e-6,
+                                 **fresh["triton"][2])
+    qb = ref.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, slots, *fresh["torch"][:2], heads, kv, 1e-6,
+                                **fresh["torch"][2])
+    (ka, va, sa), (kb, vb, sb) = fresh["triton"], fresh["torch"]
+    same = {"k_codes": _same_bytes(ka, kb), "v_codes": _same_bytes(va, vb),
+            "k_scale": _same_bytes(sa["k_scale"], sb["k_scale"]), "v_scale": _same_bytes(sa["v_scale"], sb["v_scale"])}
+    dq = _diff(qa, qb)
+    out.append({"kernel": "qk_norm_rope_store(fp8 kv)", "q": dq, "same_bits": same,
+                "ok": dq["rel_l2"] < 1e-2 and same["v_codes"] == same["v_scale"] == 1.0 and same["k_codes"] > 0.999
+                and same["k_scale"] > 0.99})
+    # decode: the fused kernel and the two kernels it replaces against the PyTorch ops
+    for parts in (1, 4):
+        caches = {name: (k8.clone(), v8.clone(), {k: t.clone() for k, t in scales.items()})
+                  for name in ("fused", "triton", "torch")}
+        got = {name: fn(qkv, qn, kn, cos, sin, pos, slots, *caches[name][:2], tables, seq_lens, parts, heads, 1e-6,
+                        **caches[name][2])
+               for name, fn in (("fused", fast.decode_attention_rope),
+                                ("triton", functools.partial(rope_then_attend, fast)),
+                                ("torch", ref.decode_attention_rope))}
+        bf16 = ref.decode_attention_rope(qkv, qn, kn, cos, sin, pos, slots, k16.clone(), v16.clone(), tables,
+                                         seq_lens, parts, heads, 1e-6)
+        vs_torch, vs_triton = _diff(got["fused"], got["torch"]), _diff(got["triton"], got["torch"])
+        codes = _same_bytes(caches["fused"][0], caches["triton"][0]) * _same_bytes(caches["fused"][1],
+                                                                                    caches["triton"][1])
+        out.append({"kernel": f"decode_attention_rope(fp8 kv, parts={parts})", "vs_torch": vs_torch,
+                    "unfused_vs_torch": vs_triton, "codes_same_as_unfused": codes,
+                    "vs_bf16_cache": _diff(got["fused"], bf16),
+                    "ok": vs_torch["rel_l2"] < 2e-2 and vs_triton["rel_l2"] < 2e-2 and vs_torch["finite"]
+                    and codes > 0.999})
+    # prefill over earlier pages (codes and scales already in the cache)
+    q_lens, s_lens = [70, 5, 130], [70, 55, 300]
+    perm = torch.randperm(blocks, device=device, generator=gen)
+    p_tables = perm[: 3 * 38].view(3, 38).to(torch.int32)
+    qs = torch.tensor([0, 70, 75, 205], dtype=torch.int32, device=device)
+    q = randn(sum(q_lens), heads, dim)
+    s_t = torch.tensor(s_lens, dtype=torch.int32, device=device)
+    args = (p_tables, s_t, qs, max(q_lens))
+    d = _diff(fast.prefill_attention(q, k8, v8, *args, **scales), ref.prefill_attention(q, k8, v8, *args, **scales))
+    out.append({"kernel": "prefill_attention(fp8 kv)", **d,
+                "vs_bf16_cache": _diff(fast.prefill_attention(q, k8, v8, *args, **scales),
+                                       ref.prefill_attention(q, k16, v16, *args)),
+                "ok": d["rel_l2"] < 2e-2 and d["finite"]})
     return out
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime.kv_cache import KVCache
+from runtime.kv_cache import KVCache, read_rows, store_rows
 from runtime.transfer import to_device
 
 
@@ -156,11 +156,9 @@ def _validate(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
 
 def write_kv(kv_cache: KVCache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new rows' K/V ([N, kv_heads, head_dim]) at their slots of layer instance `layer_idx`."""
-    _, _, _, kv_heads, head_dim = kv_cache.k.shape
-    k_flat = kv_cache.k[layer_idx].view(-1, kv_heads, head_dim)  # [num_blocks * block_size, KV, D]
-    v_flat = kv_cache.v[layer_idx].view(-1, kv_heads, head_dim)
-    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+    scales = kv_cache.scales(layer_idx)
+    store_rows(kv_cache.k[layer_idx], scales.get("k_scale"), slot_mapping, k)
+    store_rows(kv_cache.v[layer_idx], scales.get("v_scale"), slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, attn: AttentionMetadata) -> torch.Tensor:
@@ -169,23 +167,25 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int, attn: At
     The new rows' K/V must already be written (`write_kv`). GQA: query head h reads KV head
     h // (H // KV), as in Qwen3.
     """
-    _, _, _, kv_heads, head_dim = kv_cache.k.shape
-    k_flat = kv_cache.k[layer_idx].view(-1, kv_heads, head_dim)  # [num_slots, KV, D]
-    v_flat = kv_cache.v[layer_idx].view(-1, kv_heads, head_dim)
+    k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # [num_blocks, block_size, KV, D]
+    scales = kv_cache.scales(layer_idx)
+
+    def keys(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [*slots.shape, KV, D] each
+        return (read_rows(k_cache, scales.get("k_scale"), slots, q.dtype),
+                read_rows(v_cache, scales.get("v_scale"), slots, q.dtype))
+
     out = torch.empty_like(q)  # [N, H, D]
     if attn.decode_rows is not None:
         assert attn.decode_key_slots is not None and attn.decode_key_mask is not None
         q_dec = q[attn.decode_rows].unsqueeze(2)  # [Sd, H, 1, D]
-        k_dec = k_flat[attn.decode_key_slots].transpose(1, 2).to(q.dtype)  # [Sd, KV, Kmax, D]
-        v_dec = v_flat[attn.decode_key_slots].transpose(1, 2).to(q.dtype)  # [Sd, KV, Kmax, D]
+        k_dec, v_dec = (t.transpose(1, 2) for t in keys(attn.decode_key_slots))  # [Sd, KV, Kmax, D] each
         mask = attn.decode_key_mask[:, None, None, :]  # [Sd, 1, 1, Kmax]
         o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=mask, enable_gqa=True)
         out[attn.decode_rows] = o.squeeze(2)  # [Sd, H, D]
     for chunk in attn.chunks:
         rows = slice(chunk.row_start, chunk.row_start + chunk.query_len)
         q_c = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        k_c = k_flat[chunk.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, K, D]
-        v_c = v_flat[chunk.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, K, D]
+        k_c, v_c = (t.transpose(0, 1).unsqueeze(0) for t in keys(chunk.key_slots))  # [1, KV, K, D] each
         if chunk.mask is None:
             o = F.scaled_dot_product_attention(q_c, k_c, v_c, is_causal=True, enable_gqa=True)
         else:

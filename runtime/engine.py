@@ -26,7 +26,7 @@ from runtime.device_memory import cap_device_memory, capped_free_bytes, indexed_
 from runtime.errors import EngineError, InvalidRequestError
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
-from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_budget
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_storage_dtype, num_blocks_for_budget
 from runtime.matmul_check import ProductCheck, distinct_matrices, verify_products
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 from runtime.model_runner import ModelInput, ModelRunner, RowFeed
@@ -75,6 +75,9 @@ class EngineConfig:
     queue_timeout_s: float = 300.0  # a request waiting longer ends with Finished("error")
     fast_path: bool = False  # fused weights + fused ops; decode steps in CUDA graphs on CUDA
     fp8_scope: str | None = None  # fast path only: FP8 weights for "shared" | "layers" | "all" (docs/gpu.md)
+    # "auto": the KV cache in `dtype`; "fp8": e4m3 codes with a scale per (position, KV head), half the bytes
+    # of bf16 per token (runtime/kv_cache.py, docs/engine.md)
+    kv_cache_dtype: str = "auto"
     # fast path only: decode steps with no row in text mode skip the text head (ModelRunner, docs/gpu.md)
     audio_only_steps: bool = True
     # Asynchronous steps: launch step n+1 (its new rows' inputs fed on the device from step n's sampler)
@@ -111,6 +114,7 @@ class EngineConfig:
                 raise ValueError(f"memory_cap_bytes must be >= 1 or None, got {self.memory_cap_bytes}")
             if torch.device(self.device).type != "cuda":
                 raise ValueError(f"memory_cap_bytes needs a CUDA device, got device {self.device!r}")
+        kv_storage_dtype(self.kv_cache_dtype, torch.float32)  # validates it
         if self.pacing_lead_s is not None and not self.pacing_lead_s > 0:
             raise ValueError(f"pacing_lead_s must be > 0 or None, got {self.pacing_lead_s}")
         if self.fp8_scope is not None:
@@ -129,10 +133,15 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype of weights and KV cache."""
+        """The dtype of the weights and activations (and of the KV cache unless `kv_cache_dtype` says FP8)."""
         if self.dtype is not None:
             return _DTYPES[self.dtype]
         return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The element type of the KV cache."""
+        return kv_storage_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's share of this config."""
@@ -233,9 +242,9 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
         budget = int(capped_free_bytes(device, config.memory_cap_bytes) * config.kv_cache_memory_fraction)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = num_blocks_for_budget(model_config, config.block_size, config.torch_dtype, budget)
+    num_blocks = num_blocks_for_budget(model_config, config.block_size, config.kv_dtype, budget)
     if num_blocks < 1:
-        per_block = kv_bytes_per_block(model_config, config.block_size, config.torch_dtype)
+        per_block = kv_bytes_per_block(model_config, config.block_size, config.kv_dtype)
         raise ValueError(f"KV cache budget of {budget} bytes holds no block (one block takes {per_block} bytes)")
     # More blocks than every running sequence at full length can use would only waste memory.
     useful = config.max_num_running * -(-config.max_model_len // config.block_size)
@@ -309,7 +318,7 @@ class EngineCore:
                         len(self.matmul_checks), time.perf_counter() - started,
                         max((c.rel_err for c in self.matmul_checks), default=0.0))
         kv_cache = allocate_kv_cache(
-            model_config, num_kv_blocks(config, model_config), config.block_size, device, config.torch_dtype
+            model_config, num_kv_blocks(config, model_config), config.block_size, device, config.kv_dtype
         )
         self.block_manager = BlockManager(kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)

@@ -217,19 +217,21 @@ class FastForward:
         `store_only`: the same kernels store the K/V (so bit-equal), nothing attends, -> None."""
         cfg, ops = self.config, self.ops
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
+        scales = kv_cache.scales(layer.layer_idx)  # an FP8 cache's k_scale, v_scale; else none
         rope = (layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping)
         if step.max_query_len == 1 and self.fused_rope and step.num_parts <= FUSED_ROPE_MAX_PARTS:
             return ops.decode_attention_rope(qkv, *rope, k_cache, v_cache, step.block_tables, step.seq_lens,
                                              step.num_parts, cfg.num_attention_heads, cfg.rms_norm_eps,
-                                             store_only=store_only)
+                                             store_only=store_only, **scales)
         q = ops.qk_norm_rope_store(qkv, *rope, k_cache, v_cache, cfg.num_attention_heads,
-                                   cfg.num_key_value_heads, cfg.rms_norm_eps)  # [N, H, D]
+                                   cfg.num_key_value_heads, cfg.rms_norm_eps, **scales)  # [N, H, D]
         if store_only:
             return None
         if step.max_query_len == 1:
-            return ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts)
+            return ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.num_parts,
+                                        **scales)
         return ops.prefill_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start,
-                                     step.max_query_len)
+                                     step.max_query_len, **scales)
 
     def _tail(
         self, layers: tuple[LayerWeights, ...], x: torch.Tensor, residual: torch.Tensor | None,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kernels import HAS_TRITON
+from runtime.kv_cache import read_rows, store_rows
 from runtime.layers import apply_rotary
 
 
@@ -37,9 +38,11 @@ class TorchOps:
     def qk_norm_rope_store(
         qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
         sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, *,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """qkv [N, (H + 2KV) * D] -> q [N, H, D]; K/V stored at slot_mapping (slots < 0 skipped)."""
+        """qkv [N, (H + 2KV) * D] -> q [N, H, D]; K/V stored at slot_mapping (slots < 0 skipped; FP8 codes
+        and their scales where `k_scale`, `v_scale` are given: runtime/kv_cache.py)."""
         n, head_dim = qkv.shape[0], q_norm.shape[0]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
         cos, sin = cos_table[positions], sin_table[positions]  # [N, D]
@@ -47,11 +50,8 @@ class TorchOps:
         k = apply_rotary(_rms(k.reshape(n, num_kv_heads, head_dim), k_norm, eps), cos, sin)  # [N, KV, D]
         v = v.reshape(n, num_kv_heads, head_dim)
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KV, D]
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, slots, k[keep].to(k_flat.dtype))
-        v_flat.index_copy_(0, slots, v[keep].to(v_flat.dtype))
+        store_rows(k_cache, k_scale, slot_mapping[keep], k[keep])
+        store_rows(v_cache, v_scale, slot_mapping[keep], v[keep])
         return q
 
     @staticmethod
@@ -72,35 +72,33 @@ class TorchOps:
     @staticmethod
     def decode_attention(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        seq_lens: torch.Tensor, num_parts: int,
+        seq_lens: torch.Tensor, num_parts: int, *, k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, H, D], one row per sequence -> [B, H, D] (gathers keys; reference only)."""
         block_size = k_cache.shape[1]
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         pos = torch.arange(block_tables.shape[1] * block_size, device=q.device)  # [Kmax]
         slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, Kmax]
-        k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2).to(q.dtype)  # [B, KV, Kmax, D]
-        v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2).to(q.dtype)
+        k = read_rows(k_cache, k_scale, slots, q.dtype).transpose(1, 2)  # [B, KV, Kmax, D]
+        v = read_rows(v_cache, v_scale, slots, q.dtype).transpose(1, 2)
         mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, Kmax]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
         return out.squeeze(2)
 
     @classmethod
-    def decode_attention_rope(cls, *args: Any, store_only: bool = False) -> torch.Tensor | None:
+    def decode_attention_rope(cls, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """`qk_norm_rope_store` then `decode_attention` (one op so that a backend may fuse them); arguments
         as runtime.kernels.paged_attention.paged_decode_attention_rope -> [B, H, D] (`store_only`: None)."""
-        return rope_then_attend(cls, *args, store_only=store_only)
+        return rope_then_attend(cls, *args, **kwargs)
 
     @staticmethod
     def prefill_attention(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int,
+        seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, *,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [N, H, D] grouped by sequence -> [N, H, D], causal over earlier pages and the new rows."""
         block_size = k_cache.shape[1]
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, kv_heads, head_dim)
-        v_flat = v_cache.view(-1, kv_heads, head_dim)
         out = torch.empty_like(q)
         starts, lens = query_start.tolist(), seq_lens.tolist()
         for s, seq_len in enumerate(lens):
@@ -110,8 +108,8 @@ class TorchOps:
             pos = torch.arange(seq_len, device=q.device)
             slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size  # [seq_len]
             q_s = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            k_s = k_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, K, D]
-            v_s = v_flat[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            k_s = read_rows(k_cache, k_scale, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KV, K, D]
+            v_s = read_rows(v_cache, v_scale, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
             mask = pos[None, :] <= q_pos[:, None]  # [Q, K]
             o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
@@ -159,24 +157,25 @@ class TritonOps:
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        seq_lens: torch.Tensor, num_parts: int,
+        seq_lens: torch.Tensor, num_parts: int, **scales: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self._pa.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts=num_parts)
+        return self._pa.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts=num_parts,
+                                               **scales)
 
 
 def rope_then_attend(
     ops: Any, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
-    eps: float, *, store_only: bool = False,
+    eps: float, *, store_only: bool = False, **scales: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """`decode_attention_rope` as two of `ops`'s ops: q/k norm + RoPE + K/V store, then decode attention
-    (`store_only`: the first alone, -> None)."""
+    (`store_only`: the first alone, -> None). `scales`: `k_scale`, `v_scale` of an FP8 cache."""
     q = ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, k_cache,
-                               v_cache, num_heads, k_cache.shape[2], eps)
+                               v_cache, num_heads, k_cache.shape[2], eps, **scales)
     if store_only:
         return None
-    return ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts)
+    return ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_parts, **scales)
 
 
 def default_ops(device: torch.device | str) -> TorchOps | TritonOps:

@@ -4,7 +4,8 @@ Each kernel rounds exactly where the plain PyTorch layer rounds (runtime/layers.
 fused results equal the eager ones bit for bit:
 - `add_rmsnorm`: residual add (rounded to the activation dtype), RMSNorm in float32, cast, times weight.
 - `qk_norm_rope_store`: per-head q/k RMSNorm, rotate-half RoPE from a cos/sin table, q out, and the new
-  K/V written straight into the paged cache at `slot_mapping` (slot < 0 = padding row, not written).
+  K/V written straight into the paged cache at `slot_mapping` (slot < 0 = padding row, not written); into
+  an FP8 cache as e4m3 codes and a scale per (row, KV head) (`fp8_quantize`, runtime/kv_cache.py).
 - `silu_mul`: silu(gate) rounded, times up.
 - `embed`: each row's embedding from the text or the audio table (a copy; never a sum).
 Only imported when Triton is present (see runtime/kernels/__init__.py).
@@ -84,10 +85,28 @@ def rms_rope(ptrs, partner_ptrs, mask, w, w_p, cos, sin, d, eps, HEAD_DIM: tl.co
 
 
 @triton.jit
+def fp8_quantize(x):
+    """[rows, D] float32 -> (x / scale [rows, D], still float32: the caller's store rounds it to e4m3;
+    scale [rows] = max|row| x (1 / 448), 0 for a zero row), as runtime/kv_cache.quantize_rows."""
+    # the scale times the float32 reciprocal (PyTorch divides by a number so on CUDA), the codes by an IEEE
+    # division (`/` is the approximate div.full.f32): PyTorch's bits
+    scale = tl.max(tl.abs(x), axis=1) * (1.0 / 448.0)  # runtime.kv_cache.FP8_KV_MAX
+    return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
+
+
+@triton.jit
+def scale_offsets(slot, kvh, NUM_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Element offset of the scale of cache slot(s) `slot` and KV head(s) `kvh` in one layer's
+    [num_blocks, KV, block_size] scales."""
+    return (slot // BLOCK_SIZE) * (NUM_KV * BLOCK_SIZE) + kvh * BLOCK_SIZE + slot % BLOCK_SIZE
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    ks_ptr, vs_ptr, eps,
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, QUANT: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
     # one program = one row x HEADS_BLOCK of its H + 2KV heads, as a [HEADS_BLOCK, D] tile
     pdl_enter(USE_PDL)
@@ -112,19 +131,28 @@ def _qk_norm_rope_store_kernel(
     slot = tl.load(slot_ptr + row)
     if slot >= 0:
         base = slot * (NUM_KV * HEAD_DIM) + d[None, :]
+        k_val = out
+        v_val = x
+        if QUANT:  # e4m3 codes + one scale per (row, KV head)
+            k_val, k_s = fp8_quantize(out.to(tl.float32))
+            v_val, v_s = fp8_quantize(x.to(tl.float32))
+            tl.store(ks_ptr + scale_offsets(slot, h - NUM_HEADS, NUM_KV, BLOCK_SIZE), k_s, mask=is_k)
+            tl.store(vs_ptr + scale_offsets(slot, h - NUM_HEADS - NUM_KV, NUM_KV, BLOCK_SIZE), v_s, mask=is_v)
         tl.store(k_cache_ptr + base + (h[:, None] - NUM_HEADS) * HEAD_DIM,
-                 out.to(k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
+                 k_val.to(k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
         tl.store(v_cache_ptr + base + (h[:, None] - NUM_HEADS - NUM_KV) * HEAD_DIM,
-                 x.to(v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
+                 v_val.to(v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
 
 
 def qk_norm_rope_store(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, *,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [N, (H + 2KV) * D] -> q [N, H, D] (normed, rotated); K/V of the rows stored into the
-    layer's cache `k_cache`, `v_cache` ([num_blocks, block_size, KV, D]) at `slot_mapping` [N]."""
+    layer's cache `k_cache`, `v_cache` ([num_blocks, block_size, KV, D]) at `slot_mapping` [N] (FP8 codes
+    and their scales `k_scale`, `v_scale` [num_blocks, KV, block_size] when given)."""
     n_rows = qkv.shape[0]
     head_dim = q_norm.shape[0]
     assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
@@ -135,11 +163,23 @@ def qk_norm_rope_store(
     heads_block = 1 if n_rows <= 64 else 8
     grid = (n_rows, triton.cdiv(num_heads + 2 * num_kv_heads, heads_block))
     _qk_norm_rope_store_kernel[grid](
-        qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, eps,
+        qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache,
+        *scale_args(k_scale, v_scale, k_cache), eps,
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HEADS_BLOCK=heads_block,
-        num_warps=1 if heads_block == 1 else 2, **pdl_args(),
+        QUANT=k_scale is not None, BLOCK_SIZE=k_cache.shape[1], num_warps=1 if heads_block == 1 else 2,
+        **pdl_args(),
     )
     return q
+
+
+def scale_args(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers of an FP8 cache (both or neither), else a stand-in the kernel never reads."""
+    assert (k_scale is None) == (v_scale is None)
+    if k_scale is None:
+        return stand_in, stand_in
+    assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == torch.float32
+    return k_scale, v_scale
 
 
 @triton.jit

@@ -9,7 +9,11 @@
   `qk_norm_rope_store` + `paged_decode_attention`).
 - `paged_prefill_attention`: flash-style causal attention of each sequence's new rows over its earlier
   pages and itself (chunked prefill included): program = (query tile, sequence, query head).
-Cache layout per layer: [num_blocks, block_size, KV, D]; slot = block_id * block_size + offset.
+Cache layout per layer: [num_blocks, block_size, KV, D]; slot = block_id * block_size + offset. An FP8
+cache (runtime/kv_cache.py) holds e4m3 codes with a float32 scale per (slot, KV head) in `k_scale`, `v_scale`
+[num_blocks, KV, block_size]: each key's score is its codes' dot product times its scale, and each value's
+softmax weight is multiplied by its scale before the weighted sum; stored rows are quantized as they are
+written.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.elementwise import rms_rope
+from runtime.kernels.elementwise import fp8_quantize, rms_rope, scale_args, scale_offsets
 from runtime.kernels.launch import pdl_args, pdl_enter
 
 
@@ -32,11 +36,12 @@ def _dot_precision(q: torch.Tensor) -> str:
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, seq_lens_ptr, scale, max_blocks,
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps,
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps, ks_ptr, vs_ptr,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
-    KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
+    KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, QUANT: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     if KV_FIRST:  # grid (KV heads, sequences, partitions): a sequence's KV heads are launched side by side
@@ -85,10 +90,16 @@ def _decode_kernel(
                     (k_row + d)[None, :], (k_row + partner)[None, :], d[None, :] < HEAD_DIM,
                     tl.load(kw_ptr + d)[None, :], tl.load(kw_ptr + partner)[None, :], cos, sin, d, eps, HEAD_DIM,
                 )  # [1, D]
-                v_new = tl.load(row_ptr + (num_heads + NUM_KV + kvh) * HEAD_DIM + d)
+                v_new = tl.load(row_ptr + (num_heads + NUM_KV + kvh) * HEAD_DIM + d)[None, :]  # [1, D]
                 new_off = ((slot // BLOCK_SIZE) * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (slot % BLOCK_SIZE) * TOK_STRIDE
-                           + kvh * HEAD_STRIDE + d)
-                tl.store(k_ptr + new_off[None, :], k_new.to(k_ptr.dtype.element_ty))
+                           + kvh * HEAD_STRIDE + d)[None, :]
+                if QUANT:  # e4m3 codes + the row's scale for this KV head
+                    k_new, k_s = fp8_quantize(k_new.to(tl.float32))
+                    v_new, v_s = fp8_quantize(v_new.to(tl.float32))
+                    s_off = scale_offsets(slot, kvh, NUM_KV, BLOCK_SIZE) + tl.arange(0, 1)
+                    tl.store(ks_ptr + s_off, k_s)
+                    tl.store(vs_ptr + s_off, v_s)
+                tl.store(k_ptr + new_off, k_new.to(k_ptr.dtype.element_ty))
                 tl.store(v_ptr + new_off, v_new.to(v_ptr.dtype.element_ty))
             tl.debug_barrier()  # the loop reads them back, stored by other threads of this program
     else:
@@ -98,6 +109,9 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
+    q_dot = q
+    if F16_DOT:  # FP8 codes widen to float16 exactly (one instruction per pair): both products in float16
+        q_dot = q.to(tl.float16)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
@@ -106,14 +120,28 @@ def _decode_kernel(
         kv_off = tok[:, None] + kvh * HEAD_STRIDE + d[None, :]  # [BN, D]
         k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
+        s = tl.dot(q_dot, tl.trans(k.to(q_dot.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
+        if QUANT:
+            s_off = scale_offsets(blk * BLOCK_SIZE + n % BLOCK_SIZE, kvh, NUM_KV, BLOCK_SIZE)
+            k_s = tl.load(ks_ptr + s_off, mask=nmask, other=0.0)
+            v_s = tl.load(vs_ptr + s_off, mask=nmask, other=0.0)
+            s = s * k_s[None, :]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+        if F16_DOT:
+            # p x the values' scales relative to the tile's largest (float16 keeps small scales out of its
+            # subnormals), the tile's sum scaled back in float32
+            v_top = tl.max(v_s, axis=0)
+            v_top = tl.where(v_top > 0, v_top, 1.0)
+            pv = tl.dot((p * (v_s * (1.0 / v_top))[None, :]).to(tl.float16), v.to(tl.float16))
+            acc = acc * alpha[:, None] + pv * v_top
+        else:
+            p_v = p * v_s[None, :] if QUANT else p
+            acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
     if STORE_ONLY:
         pass
@@ -184,6 +212,13 @@ OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
 # e.g. a padding row: bench/decode_attention_lengths.py.
 NARROW_PROGRAMS = ((768, 1024), (2048, 2048))  # inclusive ranges of sequences x KV heads
 NARROW_LAUNCH = (32, 1, 2)  # key tile, warps, stages
+# An FP8 cache (Hopper): the codes are widened to float16 in registers after a byte-wise shared-memory read,
+# so the kernel is bound by instructions more than by bytes, and more, narrower programs win at every unsplit
+# grid (bench/results/kv-fp8-h200/kv-fp8.json "attention_sweep", us per call, bf16 cache's default beside):
+# 64 x 512 keys 43.6 against 56.0 with 4 warps (bf16 40.4), 128 x 512 59.7 (bf16 68.1), 64 x 2048 148.9
+# (bf16 129.4; 64-key tiles in 4 warps 135.2 there but 88.0 at 128 x 512); split keys at 1 sequence 64-key
+# tiles in 4 warps, 1 stage: 7.5 us (bf16 6.6).
+FP8_LAUNCH, FP8_SPLIT_LAUNCH = (32, 1, 2), (64, 4, 1)
 
 
 def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -199,12 +234,16 @@ def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
     return triton.next_power_of_2(min(wanted, most))
 
 
-def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = True) -> tuple[int, int, int]:
-    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_PROGRAMS).
-    `narrow`: the narrow launch may be used (Hopper, where it was measured and checked)."""
+def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = True,
+                  fp8: bool = False) -> tuple[int, int, int]:
+    """(key tile, warps, stages) of the decode kernel for this grid (measured choices; see NARROW_PROGRAMS and
+    FP8_LAUNCH). `narrow`: the narrow launches may be used (Hopper, where they were measured and checked);
+    `fp8`: the cache holds FP8 codes."""
     programs = batch * num_kv_heads
     if num_parts == 1 and OPTIONS["launch"] is not None:
         return OPTIONS["launch"]
+    if narrow and fp8:
+        return FP8_LAUNCH if num_parts == 1 else FP8_SPLIT_LAUNCH
     if narrow and num_parts == 1 and any(lo <= programs <= hi for lo, hi in NARROW_PROGRAMS):
         return NARROW_LAUNCH
     # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
@@ -227,6 +266,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, num_parts: int = 1, *, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, kv_first: bool = False, head_major: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one row per sequence) over the layer's paged cache -> [B, H, D].
 
@@ -236,10 +276,11 @@ def paged_decode_attention(
     Launch options (measured by bench/decode_attention_tune.py): key tile `block_n`, `num_warps`,
     `num_stages` (None: `decode_launch`'s choice); `kv_first` launches a sequence's KV-head programs side by
     side; `head_major`: the caches are [num_blocks, KV, block_size, D] instead of [num_blocks, block_size,
-    KV, D].
+    KV, D]. `k_scale`, `v_scale` [num_blocks, KV, block_size]: the caches hold FP8 codes (module docstring).
     """
     return _decode(q, None, q.shape[1], k_cache, v_cache, block_tables, seq_lens, num_parts, block_n=block_n,
-                   num_warps=num_warps, num_stages=num_stages, kv_first=kv_first, head_major=head_major)
+                   num_warps=num_warps, num_stages=num_stages, kv_first=kv_first, head_major=head_major,
+                   k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode_attention_rope(
@@ -252,7 +293,8 @@ def paged_decode_attention_rope(
     projection of one new row per sequence, at positions [B] = seq_lens - 1) -> attention output [B, H, D];
     the rows' K/V are stored at slot_mapping [B] (slot < 0: not stored) as `qk_norm_rope_store` stores them.
     `store_only`: the same kernel stores the K/V (bit-equal to what the whole kernel stores), attends to
-    nothing and returns None. `launch`: the launch options of `paged_decode_attention` (benchmarks)."""
+    nothing and returns None. `launch`: the launch options of `paged_decode_attention` (benchmarks) and an FP8
+    cache's `k_scale`, `v_scale`."""
     assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     rope = (qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, float(eps))
     out = _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts, store_only=store_only,
@@ -264,7 +306,7 @@ def _decode(
     q: torch.Tensor | None, rope: tuple | None, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, store_only: bool = False, kv_first: bool = False,
-    head_major: bool = False,
+    head_major: bool = False, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
     src = q if q is not None else rope[0]
@@ -276,7 +318,7 @@ def _decode(
     group = num_heads // num_kv
     out = torch.empty(batch, num_heads, head_dim, device=src.device, dtype=src.dtype)
     scale = 1.0 / math.sqrt(head_dim)
-    chosen = decode_launch(batch, num_kv, num_parts, narrow=_is_hopper(src.device))
+    chosen = decode_launch(batch, num_kv, num_parts, narrow=_is_hopper(src.device), fp8=k_scale is not None)
     block_n = chosen[0] if block_n is None else block_n
     num_warps = chosen[1] if num_warps is None else num_warps
     num_stages = chosen[2] if num_stages is None else num_stages
@@ -292,11 +334,11 @@ def _decode(
     qkv, q_norm, k_norm, cos, sin, positions, slots, eps = rope if rope is not None else (src,) * 7 + (0.0,)
     _decode_kernel[(num_kv, batch, num_parts) if kv_first else (batch, num_kv, num_parts)](
         src, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, scale, block_tables.shape[1],
-        qkv, q_norm, k_norm, cos, sin, positions, slots, eps,
+        qkv, q_norm, k_norm, cos, sin, positions, slots, eps, *scale_args(k_scale, v_scale, k_cache),
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )
     if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
@@ -306,9 +348,9 @@ def _decode(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale, max_blocks,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, scale, max_blocks, ks_ptr, vs_ptr,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -340,6 +382,11 @@ def _prefill_kernel(
             k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
             v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+            if QUANT:
+                s_off = scale_offsets(slot, kvh, NUM_KV, BLOCK_SIZE)
+                k_s = tl.load(ks_ptr + s_off, mask=nmask, other=0.0)
+                v_s = tl.load(vs_ptr + s_off, mask=nmask, other=0.0)
+                s = s * k_s[None, :]
             allowed = nmask[None, :] & (n[None, :] <= q_pos[:, None])
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -347,7 +394,8 @@ def _prefill_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+            p_v = p * v_s[None, :] if QUANT else p
+            acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
@@ -355,10 +403,12 @@ def _prefill_kernel(
 
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int,
+    seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, *,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, H, D] (rows grouped by sequence; sequence s owns rows query_start[s]:query_start[s+1]) ->
-    [N, H, D], causal over each sequence's earlier pages and its new rows (their K/V already stored)."""
+    [N, H, D], causal over each sequence's earlier pages and its new rows (their K/V already stored; FP8
+    codes where `k_scale`, `v_scale` are given)."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -367,7 +417,8 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, 1.0 / math.sqrt(head_dim),
-        block_tables.shape[1], BLOCK_SIZE=block_size, NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=64, DOT_PREC=_dot_precision(q), num_warps=4, num_stages=2,
+        block_tables.shape[1], *scale_args(k_scale, v_scale, k_cache), BLOCK_SIZE=block_size,
+        NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64,
+        DOT_PREC=_dot_precision(q), QUANT=k_scale is not None, num_warps=4, num_stages=2,
     )
     return out

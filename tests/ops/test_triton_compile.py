@@ -55,8 +55,11 @@ SPLIT_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr rx_ptr rw_ptr rb_ptr h_ptr r_ptr
 FINISH_SIG = _ptrs("h_ptr r_ptr g_ptr beta_ptr add_ptr y_ptr") | {"CO": "i32", "T": "i32", "add_stride": "i32",
                                                                   "eps": "fp32"}
 DECODE_SIG = _ptrs("q_ptr k_ptr v_ptr out_ptr qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr") | _ptrs(
-    "part_acc_ptr part_ml_ptr", "*fp32") | {"tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32",
+    "part_acc_ptr part_ml_ptr ks_ptr vs_ptr", "*fp32") | {"tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32",
                                             "max_blocks": "i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"}
+QK_SIG = _ptrs("qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr q_out_ptr k_cache_ptr v_cache_ptr") | _ptrs(
+    "ks_ptr vs_ptr", "*fp32") | {"pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"}
+FP8_KV = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
 SNAKE_SIG = _ptrs("x_ptr y_ptr alpha_ptr beta_ptr") | {"hu_ptr": "*fp32", "hd_ptr": "*fp32", "C": "i32", "T": "i32"}
 
 # (name, kernel, signature, constexprs without USE_PDL): the shapes and flags the launch sites use
@@ -80,10 +83,10 @@ CASES = [
       "WHOLE_K": 0, "FIRST_W": False}),
     ("add_rmsnorm", elementwise._add_rmsnorm_kernel, _ptrs("x_ptr res_ptr w_ptr out_ptr res_out_ptr")
      | {"n_cols": "i32", "eps": "fp32"}, {"HAS_RES": True, "BLOCK": 4096}),
-    ("qk_norm_rope_store", elementwise._qk_norm_rope_store_kernel,
-     _ptrs("qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr q_out_ptr k_cache_ptr v_cache_ptr")
-     | {"pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"},
-     {"NUM_HEADS": 32, "NUM_KV": 8, "HEAD_DIM": 128, "HEADS_BLOCK": 1}),
+    *[(name, elementwise._qk_norm_rope_store_kernel,
+       QK_SIG | ({"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if quant else {}),
+       {"NUM_HEADS": 32, "NUM_KV": 8, "HEAD_DIM": 128, "HEADS_BLOCK": 1, "QUANT": quant, "BLOCK_SIZE": 16})
+      for name, quant in (("qk_norm_rope_store", False), ("qk_norm_rope_store(fp8_kv)", True))],
     ("silu_mul", elementwise._silu_mul_kernel, _ptrs("gu_ptr out_ptr") | {"inter": "i32"}, {"BLOCK": 1024}),
     ("embed", elementwise._embed_kernel,
      {"tok_ptr": "*i64", "audio_ptr": "*i1"} | _ptrs("text_w_ptr audio_w_ptr out_ptr"), {"HIDDEN": 4096, "BLOCK": 4096}),
@@ -97,6 +100,12 @@ CASES = [
        {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 0,
         "NUM_PARTS": 8, "DOT_PREC": "tf32", "FUSE_ROPE": fuse, "STORE_ONLY": False})
       for name, fuse in (("decode_attention", False), ("decode_attention_rope", True))],
+    # an FP8 cache: e4m3 codes and a float32 scale per (slot, KV head)
+    *[(f"{name}(fp8_kv)", paged_attention._decode_kernel, DECODE_SIG | FP8_KV,
+       {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 0,
+        "NUM_PARTS": parts, "DOT_PREC": "tf32", "FUSE_ROPE": fuse, "STORE_ONLY": False, "QUANT": True,
+        "F16_DOT": True})
+      for name, fuse, parts in (("decode_attention", False, 8), ("decode_attention_rope", True, 1))],
     ("decode_merge", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
      | {"out_ptr": "*bf16"}, {"NUM_PARTS": 16, "HEAD_DIM": 128}),
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",

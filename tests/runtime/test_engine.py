@@ -24,7 +24,7 @@ from runtime.engine import (
     num_kv_blocks,
 )
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
-from runtime.kv_cache import kv_bytes_per_block
+from runtime.kv_cache import FP8_KV_DTYPE, kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
 from runtime.model_runner import ModelInput, RowFeed
 from runtime.request import AudioCodes, Event, Finished, GenerationRequest, TextDelta, Timeline
@@ -190,6 +190,30 @@ def test_fast_path_matches_reference(async_steps: bool) -> None:
     assert sum(r.num_rows for r in log) == sum(len(r.prompt_rows) + 5 - 1 for r in requests)
     assert all(min(r.schedule_s, r.prepare_s, r.forward_s, r.sample_s, r.record_s) >= 0 for r in log)
     assert [r.num_decode_seqs for r in log if r.path == "graph"] == [r.num_seqs for r in log if r.path == "graph"]
+
+
+def test_fp8_kv_cache_holds_more_blocks_and_the_fast_path_generates_the_plain_paths_rows() -> None:
+    """kv_cache_dtype="fp8": the same byte budget holds 64 / 20 as many blocks (tiny: 16 float32 values per
+    head against 16 one-byte codes and a 4-byte scale), and greedy rows of the fast path equal the plain
+    path's on FP8 caches (both quantize once, the same way)."""
+    rng = random.Random(13)
+    requests = [GenerationRequest(f"q{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY,
+                                  max_new_tokens=6) for i in range(3)]
+    per_block = kv_bytes_per_block(CONFIG, 4, torch.float32)
+    assert kv_bytes_per_block(CONFIG, 4, FP8_KV_DTYPE) * 64 == per_block * 20
+    rows = {}
+    for fast in (False, True):
+        config = EngineConfig(block_size=4, kv_cache_bytes=100 * per_block, kv_cache_dtype="fp8", fast_path=fast,
+                              max_num_running=2, max_num_batched_tokens=8)
+        assert config.kv_dtype == FP8_KV_DTYPE and num_kv_blocks(config, CONFIG) == 320
+        core = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), config)
+        assert core.runner.kv_cache.k.dtype == FP8_KV_DTYPE and core.stats().num_blocks_total == 320
+        seqs, _ = run_core(core, {0: requests[:2], 2: requests[2:]})
+        rows[fast] = [generated(seqs[r.request_id]) for r in requests]
+        assert core.stats().num_blocks_used == 0
+    assert rows[True] == rows[False] and all(len(r) == 6 for r in rows[True])
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp16")
 
 
 def test_audio_only_steps_skip_the_text_head_and_change_no_row() -> None:

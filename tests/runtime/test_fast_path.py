@@ -17,7 +17,7 @@ from runtime.fast_forward import FastForward, StepInputs
 from runtime.fast_ops import TorchOps
 from runtime.fp8 import FP8_MAX, Fp8Weight, quantize_weight
 from runtime.fused import fuse_model_weights, quantize_model_in_place, with_fp8
-from runtime.kv_cache import KVCache, allocate_kv_cache
+from runtime.kv_cache import FP8_KV_DTYPE, KVCache, allocate_kv_cache
 from runtime.model import MossSpeechForCausalLM, build_model, split_rows
 
 BLOCK_SIZE = 4
@@ -89,6 +89,26 @@ def test_fast_step_matches_plain_step_prefill_chunk_and_decode(model: MossSpeech
         torch.testing.assert_close(got_a, want_a, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(fast_cache.k, plain_cache.k, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(fast_cache.v, plain_cache.v, atol=1e-6, rtol=1e-5)
+
+
+def test_fast_step_on_fp8_caches_stores_the_plain_steps_codes_and_scales(model: MossSpeechForCausalLM) -> None:
+    """The three steps (prefill chunks, a chunk beside a decode row, decode) on FP8 caches: the PyTorch ops
+    quantize as the plain path does (runtime/kv_cache.py), so they store its codes, and its scales up to the
+    last float32 bit the rows themselves differ by (the fused QKV product rounds in another order); the
+    logits agree as on float32 caches."""
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    plain_cache, fast_cache = (allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", FP8_KV_DTYPE) for _ in range(2))
+    for work in _two_sequence_steps():
+        tokens, is_audio, positions, attn = _plain_step(model, plain_cache, work)
+        want = model(tokens, is_audio, positions, plain_cache, attn)
+        got = fast(StepInputs.from_metadata(tokens, is_audio, positions, attn), fast_cache)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    assert torch.equal(fast_cache.k.view(torch.uint8), plain_cache.k.view(torch.uint8))
+    assert torch.equal(fast_cache.v.view(torch.uint8), plain_cache.v.view(torch.uint8))
+    torch.testing.assert_close(fast_cache.k_scale, plain_cache.k_scale, rtol=2e-7, atol=0)
+    torch.testing.assert_close(fast_cache.v_scale, plain_cache.v_scale, rtol=2e-7, atol=0)
+    assert int((plain_cache.k_scale > 0).sum()) == CONFIG.num_layer_instances * CONFIG.num_key_value_heads * 19
 
 
 def test_bfloat16_step_returns_bfloat16_logits_unless_float_logits() -> None:
