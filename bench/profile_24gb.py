@@ -1,6 +1,6 @@
 """The 24 GB profile: the full model under `torch.cuda.set_per_process_memory_fraction(24 GiB)`.
 
-    python bench/profile_24gb.py [--vocoder-gib 2]
+    python bench/profile_24gb.py [--vocoder-gib 2] [--kv-cache-dtype fp8 --bf16-kv-tokens 32768]
 
 For bf16 weights and then FP8 weights ("all": layers and heads; bf16 matrices freed layer by layer as
 they are quantized): load the full shape (load peak reported; the allocator cache is emptied after
@@ -25,7 +25,7 @@ from runtime.cuda_graph import DEFAULT_PREFILL_BUCKETS, DecodeGraphRunner, Prefi
 from runtime.device_memory import cap_device_memory
 from runtime.fast_forward import FastForward
 from runtime.fused import fuse_model_weights, quantize_model_in_place
-from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_storage_dtype
 from runtime.model import build_model
 
 GIB = 2**30
@@ -37,7 +37,7 @@ MARGIN = GIB // 2  # FP8 serving overhead measured 0.3 GiB above bf16's (FP8 GEM
 
 
 def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: int | None,
-        prefill_buckets: list[int] | None = None) -> dict:
+        prefill_buckets: list[int] | None = None, kv_cache_dtype: str = "auto") -> dict:
     device = torch.device("cuda")
     config = ModelConfig.preset("full")
     torch.cuda.reset_peak_memory_stats()
@@ -49,11 +49,12 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     load_peak = torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     weights_bytes = torch.cuda.memory_allocated()
-    per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, torch.bfloat16)
+    per_token = kv_bytes_per_block(config, 1, kv_dtype)  # with FP8 codes, their scales
     if kv_tokens is None:  # as many as fit beside the measured activation/graph overhead and the vocoder
         assert overhead is not None
         kv_tokens = (budget - weights_bytes - overhead - MARGIN - vocoder) // per_token // BLOCK * BLOCK
-    cache = allocate_kv_cache(config, kv_tokens // BLOCK, BLOCK, device, torch.bfloat16)
+    cache = allocate_kv_cache(config, kv_tokens // BLOCK, BLOCK, device, kv_dtype)
     fast = FastForward(weights)
     runner = DecodeGraphRunner(fast, cache, max_model_len=MAX_MODEL_LEN, buckets=BUCKETS)
     runner.capture()
@@ -73,9 +74,9 @@ def run(mode: str, budget: int, kv_tokens: int | None, vocoder: int, overhead: i
     ok = ok and bool(torch.isfinite(t).all() and torch.isfinite(a).all())
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_reserved()
-    kv_bytes = cache.k.numel() * cache.k.element_size() * 2
+    kv_bytes = kv_tokens * per_token
     out = {
-        "weights": mode, "weights_gib": round(weights_bytes / GIB, 3), "load_peak_reserved_gib": round(load_peak / GIB, 3),
+        "weights": mode, "kv_cache_dtype": kv_cache_dtype, "weights_gib": round(weights_bytes / GIB, 3), "load_peak_reserved_gib": round(load_peak / GIB, 3),
         "kv_tokens": kv_tokens,
         "kv_gib": round(kv_bytes / GIB, 3), "peak_reserved_gib": round(peak / GIB, 3),
         "overhead_gib": round((peak - weights_bytes - kv_bytes) / GIB, 3),
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--vocoder-gib", type=float, default=2.0)
     p.add_argument("--bf16-kv-tokens", type=int, default=16384)
     p.add_argument("--prefill-buckets", default="", help="comma-separated row buckets (default: the engine's)")
+    p.add_argument("--kv-cache-dtype", default="auto", help='"auto" (bf16) or "fp8" (runtime/kv_cache.py)')
     args = p.parse_args()
     prefill_buckets = [int(b) for b in args.prefill_buckets.split(",") if b] or None
     budget = int(args.budget_gib * GIB)
@@ -104,7 +106,7 @@ def main() -> None:
     for mode, tokens in (("bf16", args.bf16_kv_tokens), ("fp8", None)):
         try:
             overhead = None if not runs or "overhead_gib" not in runs[0] else int(runs[0]["overhead_gib"] * GIB)
-            runs.append(run(mode, budget, tokens, vocoder, overhead, prefill_buckets))
+            runs.append(run(mode, budget, tokens, vocoder, overhead, prefill_buckets, args.kv_cache_dtype))
         except torch.OutOfMemoryError as exc:
             runs.append({"weights": mode, "error": f"out of memory: {str(exc)[:300]}"})
             torch.cuda.empty_cache()
