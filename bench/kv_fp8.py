@@ -118,9 +118,10 @@ SWEEP_LAUNCHES = [None, (64, 4, 2), (64, 4, 1), (32, 1, 2), (128, 4, 2)]
 
 def attention_sweep(device: torch.device, args: argparse.Namespace) -> list[dict]:
     """The decode attention alone over a bf16 cache and the FP8 copy of it, per point of `--sweep-points`, each
-    launch (key tile, warps, stages; None: `decode_launch`'s choice for that cache): us per call in a CUDA graph over 40 layer caches (no L2 reuse), each FP8 variant checked first
-    against the PyTorch op on the same codes (rel_l2 < 2e-2). The kernel is serving's: with unsplit keys
-    `paged_decode_attention_rope` (q/k norm, RoPE, the store and attention), else `paged_decode_attention`."""
+    launch (key tile, warps, stages; None: `decode_launch`'s choice for that cache): us per call in a CUDA
+    graph over 40 layer caches (no L2 reuse), each variant checked first against the PyTorch op on the same
+    cache (rel_l2 < 2e-2). The kernel is serving's: with unsplit keys `paged_decode_attention_rope` (q/k norm,
+    RoPE, the store and attention), else `paged_decode_attention`."""
     gen = torch.Generator(device=device).manual_seed(7)
     out = []
     for point in args.sweep_points.split(","):
@@ -165,20 +166,21 @@ def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int) -
         return pa.paged_decode_attention(q, k, v, tables, seq_lens, parts, **sc, **kw)
 
     k8, v8, sc = fp8[0]
-    if fused:
-        want = TorchOps.decode_attention_rope(*rope, k8.clone(), v8.clone(), tables, seq_lens, 1, heads, 1e-6,
-                                              **{name: t.clone() for name, t in sc.items()})
-    else:
-        want = TorchOps.decode_attention(q, k8, v8, tables, seq_lens, 1, **sc)
+    want = {}
+    for quant, (k, v, scales) in ((False, (k16[0], v16[0], {})), (True, (k8, v8, sc))):
+        if fused:
+            want[quant] = TorchOps.decode_attention_rope(*rope, k.clone(), v.clone(), tables, seq_lens, 1, heads, 1e-6,
+                                                         **{name: t.clone() for name, t in scales.items()})
+        else:
+            want[quant] = TorchOps.decode_attention(q, k, v, tables, seq_lens, 1, **scales)
     for quant in (False, True):
         for launch in SWEEP_LAUNCHES:
             key = f"{'fp8' if quant else 'bf16'}/{launch}"
             try:
-                if quant:
-                    d = _diff(call(0, True, launch), want)
-                    if not (d["rel_l2"] < 2e-2 and d["finite"]):
-                        row[key] = {"wrong": d}
-                        continue
+                d = _diff(call(0, quant, launch), want[quant])
+                if not (d["rel_l2"] < 2e-2 and d["finite"]):
+                    row[key] = {"wrong": d}
+                    continue
                 row[key] = round(graph_us_per_call([functools.partial(call, i, quant, launch)
                                                     for i in range(layers)]), 2)
             except Exception as exc:  # noqa: BLE001 - reported in the JSON
