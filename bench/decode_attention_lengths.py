@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.decode_attention_tune import BLOCK, DIM, EPS, HEADS, KV, THETA, new_row_slots
+from bench.fast_checks import fp8_cache
 from bench.fast_tools import emit, log
 from runtime.fast_ops import rope_tables
 from runtime.kernels.paged_attention import paged_decode_attention, paged_decode_attention_rope
@@ -34,12 +35,17 @@ LENGTHS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 34, 63, 64, 65, 66, 95, 96, 97, 100,
 WIDE = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 128), parts: int = 1) -> dict:
-    """Every case for one launch shape -> {"cases": n, "max_abs_vs_wide": x, "all_finite": bool}."""
+def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 128), parts: int = 1,
+                 fp8: bool = False) -> dict:
+    """Every case for one launch shape -> {"cases": n, "max_abs_vs_wide": x, "all_finite": bool}. `fp8`: the
+    caches hold FP8 codes and scales (runtime/kv_cache.py), the wide launch reads the same codes."""
     cos, sin = rope_tables(4096, DIM, THETA, torch.bfloat16, dev)
     q_norm = torch.ones(DIM, device=dev, dtype=torch.bfloat16)
     k_cache = torch.randn(max(batches) * WIDTH, BLOCK, KV, DIM, device=dev, dtype=torch.bfloat16)  # no sharing
     v_cache = torch.randn_like(k_cache)
+    scales: dict[str, torch.Tensor] = {}
+    if fp8:
+        k_cache, v_cache, scales = fp8_cache(k_cache, v_cache)
     gen = torch.Generator().manual_seed(0)
     cases, worst, finite = 0, 0.0, True
     for batch in batches:
@@ -57,12 +63,12 @@ def check_config(cfg: dict, dev: torch.device, batches: tuple[int, ...] = (96, 1
                     slots = new_row_slots(tables, pos)
                 qkv = torch.randn(batch, (HEADS + 2 * KV) * DIM, device=dev, dtype=torch.bfloat16)
                 args = (qkv, q_norm, q_norm, cos, sin, pos, slots, k_cache, v_cache, tables, lens)
-                got = paged_decode_attention_rope(*args, parts, HEADS, EPS, **cfg)
-                want = paged_decode_attention_rope(*args, 1, HEADS, EPS, **WIDE)
-                paged_decode_attention_rope(*args, parts, HEADS, EPS, store_only=True, **cfg)
+                got = paged_decode_attention_rope(*args, parts, HEADS, EPS, **cfg, **scales)
+                want = paged_decode_attention_rope(*args, 1, HEADS, EPS, **WIDE, **scales)
+                paged_decode_attention_rope(*args, parts, HEADS, EPS, store_only=True, **cfg, **scales)
                 q = torch.randn(batch, HEADS, DIM, device=dev, dtype=torch.bfloat16)
-                got_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, parts, **cfg)
-                want_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1, **WIDE)
+                got_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, parts, **cfg, **scales)
+                want_q = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1, **WIDE, **scales)
                 torch.cuda.synchronize()
                 finite &= bool(torch.isfinite(got).all() and torch.isfinite(got_q).all())
                 worst = max(worst, float((got.float() - want.float()).abs().max()),
@@ -77,6 +83,7 @@ def main() -> None:
     ap.add_argument("--batches", default="96,128", help="sequences per call")
     ap.add_argument("--parts", type=int, default=1, help="key partitions of the checked launches")
     ap.add_argument("--watchdog", type=float, default=100.0, help="seconds before a hung process is ended")
+    ap.add_argument("--fp8", action="store_true", help="FP8 caches (codes and scales)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
@@ -89,8 +96,8 @@ def main() -> None:
         cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         log(f"{spec} ...")
         batches = tuple(int(b) for b in args.batches.split(","))
-        result["configs"].append({"config": spec, "batches": list(batches), "parts": args.parts,
-                                  **check_config(cfg, dev, batches, args.parts)})
+        result["configs"].append({"config": spec, "batches": list(batches), "parts": args.parts, "fp8": args.fp8,
+                                  **check_config(cfg, dev, batches, args.parts, args.fp8)})
         log(f"{spec}: {result['configs'][-1]}")
     emit(result, Path(args.out) if args.out else None)
 

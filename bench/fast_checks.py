@@ -164,6 +164,21 @@ def _check_decode(device: torch.device, heads: int = 32, kv: int = 8, dim: int =
     return out
 
 
+def _decode_rows(device: torch.device, gen: torch.Generator, randn, heads: int, kv: int, dim: int, blocks: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """One decode row for each of 5 sequences of 1 to 600 keys, the last a padding row (slot -1: its K/V are
+    not stored) -> (block tables, seq_lens, the rows' QKV projection, the q/k norm + RoPE arguments of the ops
+    that follow it: q/k norm weights, cos, sin, positions, slots)."""
+    tables, seq_lens = _decode_tables([1, 37, 600, 257, 64], blocks, block_size, device, gen)
+    pos = seq_lens.long() - 1
+    slots = (tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size)
+    slots[4] = -1
+    qkv = randn(len(pos), (heads + 2 * kv) * dim)
+    qn, kn = randn(dim, scale=0.2) + 1, randn(dim, scale=0.2) + 1
+    cos, sin = rope_tables(4096, dim, 1e6, torch.bfloat16, device)
+    return tables, seq_lens, qkv, (qn, kn, cos, sin, pos, slots)
+
+
 def _check_decode_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
     """The fused q/k norm + RoPE + K/V store + attention against the two Triton kernels it replaces and
     against the PyTorch ops; contexts of 1 to 600 keys, one padding row (slot -1), 1 and 4 key partitions.
@@ -173,19 +188,11 @@ def _check_decode_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: 
     ref, fast, gen, randn = _setup(device)
     out: list[dict] = []
     blocks, block_size = 200, 16
-    seq_lens_list = [1, 37, 600, 257, 64]
-    n = len(seq_lens_list)
-    tables, seq_lens = _decode_tables(seq_lens_list, blocks, block_size, device, gen)
-    pos = seq_lens.long() - 1
-    slots = (tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size)
-    slots[4] = -1  # a padding row of a graph bucket: its K/V are not stored
-    qkv = randn(n, (heads + 2 * kv) * dim)
-    qn, kn = randn(dim, scale=0.2) + 1, randn(dim, scale=0.2) + 1
-    cos, sin = rope_tables(4096, dim, 1e6, torch.bfloat16, device)
+    tables, seq_lens, qkv, rope = _decode_rows(device, gen, randn, heads, kv, dim, blocks, block_size)
     kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
     for parts in (1, 4):
         caches = {name: (kc.clone(), vc.clone()) for name in ("fused", "triton", "torch")}
-        got = {name: fn(qkv, qn, kn, cos, sin, pos, slots, *caches[name], tables, seq_lens, parts, heads, 1e-6)
+        got = {name: fn(qkv, *rope, *caches[name], tables, seq_lens, parts, heads, 1e-6)
                for name, fn in (("fused", fast.decode_attention_rope),
                                 ("triton", functools.partial(rope_then_attend, fast)),
                                 ("torch", ref.decode_attention_rope))}
@@ -240,22 +247,14 @@ def _check_fp8_kv(device: torch.device, heads: int = 32, kv: int = 8, dim: int =
     out: list[dict] = []
     blocks, block_size = 200, 16
     # the store: fresh rows into an FP8 cache, codes and scales compared with PyTorch's
-    seq_lens_list = [1, 37, 600, 257, 64]
-    n = len(seq_lens_list)
-    tables, seq_lens = _decode_tables(seq_lens_list, blocks, block_size, device, gen)
-    pos = seq_lens.long() - 1
-    slots = (tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size)
-    slots[4] = -1  # a padding row: not stored
-    qkv = randn(n, (heads + 2 * kv) * dim)
+    tables, seq_lens, qkv, rope = _decode_rows(device, gen, randn, heads, kv, dim, blocks, block_size)
     qkv[1, (heads + kv) * dim:(heads + kv + 1) * dim] = 0  # a zero V row: scale 0, codes 0
-    qn, kn = randn(dim, scale=0.2) + 1, randn(dim, scale=0.2) + 1
-    cos, sin = rope_tables(4096, dim, 1e6, torch.bfloat16, device)
     k16, v16 = _cache(blocks, block_size, kv, dim, device, gen)
     k8, v8, scales = fp8_cache(k16, v16)
     fresh = {name: (k8.clone(), v8.clone(), {k: t.clone() for k, t in scales.items()}) for name in ("triton", "torch")}
-    qa = fast.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, slots, *fresh["triton"][:2], heads, kv, 1e-6,
+    qa = fast.qk_norm_rope_store(qkv, *rope, *fresh["triton"][:2], heads, kv, 1e-6,
                                  **fresh["triton"][2])
-    qb = ref.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, slots, *fresh["torch"][:2], heads, kv, 1e-6,
+    qb = ref.qk_norm_rope_store(qkv, *rope, *fresh["torch"][:2], heads, kv, 1e-6,
                                 **fresh["torch"][2])
     (ka, va, sa), (kb, vb, sb) = fresh["triton"], fresh["torch"]
     same = {"k_codes": _same_bytes(ka, kb), "v_codes": _same_bytes(va, vb),
@@ -268,12 +267,12 @@ def _check_fp8_kv(device: torch.device, heads: int = 32, kv: int = 8, dim: int =
     for parts in (1, 4):
         caches = {name: (k8.clone(), v8.clone(), {k: t.clone() for k, t in scales.items()})
                   for name in ("fused", "triton", "torch")}
-        got = {name: fn(qkv, qn, kn, cos, sin, pos, slots, *caches[name][:2], tables, seq_lens, parts, heads, 1e-6,
+        got = {name: fn(qkv, *rope, *caches[name][:2], tables, seq_lens, parts, heads, 1e-6,
                         **caches[name][2])
                for name, fn in (("fused", fast.decode_attention_rope),
                                 ("triton", functools.partial(rope_then_attend, fast)),
                                 ("torch", ref.decode_attention_rope))}
-        bf16 = ref.decode_attention_rope(qkv, qn, kn, cos, sin, pos, slots, k16.clone(), v16.clone(), tables,
+        bf16 = ref.decode_attention_rope(qkv, *rope, k16.clone(), v16.clone(), tables,
                                          seq_lens, parts, heads, 1e-6)
         vs_torch, vs_triton = _diff(got["fused"], got["torch"]), _diff(got["triton"], got["torch"])
         codes = _same_bytes(caches["fused"][0], caches["triton"][0]) * _same_bytes(caches["fused"][1],

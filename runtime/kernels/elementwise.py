@@ -88,8 +88,8 @@ def rms_rope(ptrs, partner_ptrs, mask, w, w_p, cos, sin, d, eps, HEAD_DIM: tl.co
 def fp8_quantize(x):
     """[rows, D] float32 -> (x / scale [rows, D], still float32: the caller's store rounds it to e4m3;
     scale [rows] = max|row| x (1 / 448), 0 for a zero row), as runtime/kv_cache.quantize_rows."""
-    # the scale times the float32 reciprocal (PyTorch divides by a number so on CUDA), the codes by an IEEE
-    # division (`/` is the approximate div.full.f32): PyTorch's bits
+    # the scale as max|row| times float32(1/448) and the codes by an IEEE division (`/` would be the
+    # approximate div.full.f32), as quantize_rows computes them: the same bits
     scale = tl.max(tl.abs(x), axis=1) * (1.0 / 448.0)  # runtime.kv_cache.FP8_KV_MAX
     return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
 
@@ -173,7 +173,7 @@ def qk_norm_rope_store(
 
 
 def scale_args(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale pointers of an FP8 cache (both or neither), else a stand-in the kernel never reads."""
     assert (k_scale is None) == (v_scale is None)
     if k_scale is None:
