@@ -215,9 +215,9 @@ NARROW_LAUNCH = (32, 1, 2)  # key tile, warps, stages
 # An FP8 cache (Hopper): the codes are widened to float16 in registers after a byte-wise shared-memory read,
 # so the kernel is bound by instructions more than by bytes, and more, narrower programs win at every unsplit
 # grid (bench/results/kv-fp8-h200/kv-fp8.json "attention_sweep", us per call, bf16 cache's default beside):
-# 64 x 512 keys 43.6 against 56.0 with 4 warps (bf16 40.4), 128 x 512 59.7 (bf16 68.1), 64 x 2048 148.9
-# (bf16 129.4; 64-key tiles in 4 warps 135.2 there but 88.0 at 128 x 512); split keys at 1 sequence 64-key
-# tiles in 4 warps, 1 stage: 7.5 us (bf16 6.6).
+# 64 x 512 keys 43.7 against 56.1 with 4 warps (bf16 39.9), 128 x 512 59.2 (bf16 67.3), 64 x 2048 147.7
+# (bf16 127.3; 128-key tiles in 4 warps 133.8 there but 88.4 at 128 x 512); split keys at 1 sequence 64-key
+# tiles in 4 warps, 1 stage: 7.6 us (bf16 6.6).
 FP8_LAUNCH, FP8_SPLIT_LAUNCH = (32, 1, 2), (64, 4, 1)
 
 
