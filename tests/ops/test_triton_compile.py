@@ -229,3 +229,24 @@ if __name__ == "__main__":  # the sm_89 builds, in a process that targets nothin
         ptx = _ptx(fn, signature, constexprs | {"USE_PDL": False}, ADA)
         assert ".entry" in ptx and "griddepcontrol" not in ptx, name
         print(name, flush=True)
+
+
+def test_fp8_cache_kernels_quantize_by_ieee_division_and_multiply_in_float16() -> None:
+    """An FP8 cache: the K/V store rounds row / scale (an IEEE division, as PyTorch's quantize_rows, not the
+    approximate div.full) to e4m3 with saturation; the decode kernel widens the codes to float16 pairs and
+    multiplies on float16 tensor cores. The bf16 variants of both kernels do neither."""
+    qk = {"NUM_HEADS": 32, "NUM_KV": 8, "HEAD_DIM": 128, "HEADS_BLOCK": 1, "BLOCK_SIZE": 16, "USE_PDL": False}
+    fp8_store = _opcodes(_ptx(elementwise._qk_norm_rope_store_kernel, QK_SIG | {"k_cache_ptr": "*fp8e4nv",
+                                                                                 "v_cache_ptr": "*fp8e4nv"},
+                              qk | {"QUANT": True}, HOPPER))
+    bf16_store = _opcodes(_ptx(elementwise._qk_norm_rope_store_kernel, QK_SIG, qk | {"QUANT": False}, HOPPER))
+    assert fp8_store["cvt.rn.satfinite.e4m3x2.f32"] == 2 and fp8_store["div.rn.f32"] == 2
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in bf16_store and "div.rn.f32" not in bf16_store
+    decode = {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 32, "PART": 0,
+              "NUM_PARTS": 1, "DOT_PREC": "tf32", "FUSE_ROPE": True, "STORE_ONLY": False, "USE_PDL": False}
+    fp8_attn = _opcodes(_ptx(paged_attention._decode_kernel, DECODE_SIG | FP8_KV,
+                             decode | {"QUANT": True, "F16_DOT": True}, HOPPER))
+    bf16_attn = _opcodes(_ptx(paged_attention._decode_kernel, DECODE_SIG, decode, HOPPER))
+    assert fp8_attn["cvt.rn.f16x2.e4m3x2"] > 0 and fp8_attn["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"] > 0
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" not in fp8_attn
+    assert bf16_attn["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0 and "cvt.rn.f16x2.e4m3x2" not in bf16_attn
