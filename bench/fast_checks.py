@@ -206,22 +206,24 @@ def _check_decode_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: 
     return out
 
 
-def _check_prefill(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
-    ref, fast, gen, randn = _setup(device)
-    blocks, block_size, width = 200, 16, 38
-    kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
-    perm = torch.randperm(blocks, device=device, generator=gen)
-    out: list[dict] = []
-    q_lens, s_lens = [70, 5, 130], [70, 55, 300]
-    tables = perm[: 3 * width].view(3, width).to(torch.int32)
+def _prefill_rows(device: torch.device, gen: torch.Generator, randn, heads: int, dim: int,
+                  blocks: int) -> tuple[torch.Tensor, tuple]:
+    """Three sequences' new rows (70 of 70 keys, 5 of 55 over earlier pages, 130 of 300) -> (q [205, H, D],
+    the prefill ops' arguments after the caches: block tables, seq_lens, query starts, longest query)."""
+    q_lens, s_lens, width = [70, 5, 130], [70, 55, 300], 38
+    tables = torch.randperm(blocks, device=device, generator=gen)[: 3 * width].view(3, width).to(torch.int32)
     qs = torch.tensor([0, 70, 75, 205], dtype=torch.int32, device=device)
     q = randn(sum(q_lens), heads, dim)
-    s_t = torch.tensor(s_lens, dtype=torch.int32, device=device)
-    d = _diff(fast.prefill_attention(q, kc, vc, tables, s_t, qs, max(q_lens)),
-              ref.prefill_attention(q, kc, vc, tables, s_t, qs, max(q_lens)))
-    out.append({"kernel": "prefill_attention", **d, "ok": d["rel_l2"] < 2e-2 and d["finite"]})
+    return q, (tables, torch.tensor(s_lens, dtype=torch.int32, device=device), qs, max(q_lens))
 
-    return out
+
+def _check_prefill(device: torch.device, heads: int = 32, kv: int = 8, dim: int = 128, **_: int) -> list[dict]:
+    ref, fast, gen, randn = _setup(device)
+    blocks, block_size = 200, 16
+    kc, vc = _cache(blocks, block_size, kv, dim, device, gen)
+    q, args = _prefill_rows(device, gen, randn, heads, dim, blocks)
+    d = _diff(fast.prefill_attention(q, kc, vc, *args), ref.prefill_attention(q, kc, vc, *args))
+    return [{"kernel": "prefill_attention", **d, "ok": d["rel_l2"] < 2e-2 and d["finite"]}]
 
 
 def fp8_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -283,17 +285,11 @@ def _check_fp8_kv(device: torch.device, heads: int = 32, kv: int = 8, dim: int =
                     "ok": vs_torch["rel_l2"] < 2e-2 and vs_triton["rel_l2"] < 2e-2 and vs_torch["finite"]
                     and codes > 0.999})
     # prefill over earlier pages (codes and scales already in the cache)
-    q_lens, s_lens = [70, 5, 130], [70, 55, 300]
-    perm = torch.randperm(blocks, device=device, generator=gen)
-    p_tables = perm[: 3 * 38].view(3, 38).to(torch.int32)
-    qs = torch.tensor([0, 70, 75, 205], dtype=torch.int32, device=device)
-    q = randn(sum(q_lens), heads, dim)
-    s_t = torch.tensor(s_lens, dtype=torch.int32, device=device)
-    args = (p_tables, s_t, qs, max(q_lens))
-    d = _diff(fast.prefill_attention(q, k8, v8, *args, **scales), ref.prefill_attention(q, k8, v8, *args, **scales))
+    q, args = _prefill_rows(device, gen, randn, heads, dim, blocks)
+    got = fast.prefill_attention(q, k8, v8, *args, **scales)
+    d = _diff(got, ref.prefill_attention(q, k8, v8, *args, **scales))
     out.append({"kernel": "prefill_attention(fp8 kv)", **d,
-                "vs_bf16_cache": _diff(fast.prefill_attention(q, k8, v8, *args, **scales),
-                                       ref.prefill_attention(q, k16, v16, *args)),
+                "vs_bf16_cache": _diff(got, ref.prefill_attention(q, k16, v16, *args)),
                 "ok": d["rel_l2"] < 2e-2 and d["finite"]})
     return out
 

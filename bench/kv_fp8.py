@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_checks import _check_fp8_kv
+from bench.fast_checks import _check_fp8_kv, _diff, fp8_cache
 from bench.fast_tools import (
     Blocks,
     copy_bandwidth_gbps,
@@ -53,7 +53,7 @@ from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward, StepInputs
 from runtime.fast_ops import TritonOps
 from runtime.fused import fuse_model_weights
-from runtime.kv_cache import FP8_KV_DTYPE, KVCache, allocate_kv_cache, kv_bytes_per_block, quantize_rows
+from runtime.kv_cache import FP8_KV_DTYPE, KVCache, allocate_kv_cache, kv_bytes_per_block
 from runtime.model import build_model
 
 BLOCK_SIZE = 16
@@ -77,10 +77,11 @@ def fill_quantized(src: KVCache, dst: KVCache) -> None:
     """dst (FP8) := src's values quantized, layer by layer (bounded temporaries)."""
     assert dst.k_scale is not None and dst.v_scale is not None
     for i in range(src.num_layer_instances):
-        for values, codes, scale in ((src.k[i], dst.k[i], dst.k_scale[i]), (src.v[i], dst.v[i], dst.v_scale[i])):
-            q, s = quantize_rows(values)  # [blocks, bs, KV, D], [blocks, bs, KV]
-            codes.copy_(q)
-            scale.copy_(s.transpose(1, 2))
+        k8, v8, scales = fp8_cache(src.k[i], src.v[i])
+        dst.k[i].copy_(k8)
+        dst.v[i].copy_(v8)
+        dst.k_scale[i].copy_(scales["k_scale"])
+        dst.v_scale[i].copy_(scales["v_scale"])
 
 
 def drift(fast: FastForward, caches: dict[str, KVCache], prompt: list, steps: int) -> dict:
@@ -134,7 +135,6 @@ def attention_sweep(device: torch.device, args: argparse.Namespace) -> list[dict
 
 
 def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int) -> dict:
-    from bench.fast_checks import _diff, fp8_cache
     from bench.fast_tools import graph_us_per_call
     from runtime.fast_ops import TorchOps, rope_tables
     from runtime.kernels import paged_attention as pa
