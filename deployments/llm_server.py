@@ -121,11 +121,14 @@ class LLMServer:
         """Engine stats as a dict (for /admin/stats and tests)."""
         from runtime.device_memory import memory_stats
 
-        stats = self._engine.stats()
+        stats, config = self._engine.stats(), self._engine.config
         return {**{name: getattr(stats, name) for name in (
             "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_free",
-            "prefix_cache_queries", "prefix_cache_hits")},
-            "device_memory": memory_stats(self._engine.config.device)}  # None off CUDA
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")},
+            # what the cache holds and how many tokens fit (an FP8 cache holds ~1.9x a bf16 one's)
+            "kv_cache_dtype": str(config.kv_dtype).removeprefix("torch."),
+            "kv_capacity_tokens": stats.num_blocks_total * config.block_size,
+            "device_memory": memory_stats(config.device)}  # None off CUDA
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (see deployments.autoscaling:llm_policy)."""

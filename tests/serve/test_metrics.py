@@ -115,6 +115,9 @@ def test_engine_and_vocoder_gauges_match_the_server_state(http: httpx.Client) ->
     llm = stats["llm"]
     assert llm["prefix_cache_hits"] > 0
     assert llm["device_memory"] is None and stats["vocoder"]["device_memory"] is None  # CPU replicas
+    # the CPU engine's cache holds float32 rows, 16 tokens a block, and nothing was preempted
+    assert (llm["kv_cache_dtype"], llm["kv_capacity_tokens"], llm["num_preemptions"]) == (
+        "float32", 16 * llm["num_blocks_total"], 0)
     expected = {
         "ray_moss_kv_blocks_used": 0, "ray_moss_kv_blocks_free": llm["num_blocks_total"],
         "ray_moss_queued_requests": 0, "ray_moss_active_streams": 0,
