@@ -211,7 +211,9 @@ async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, resul
     if result.ttfa_s is not None and summary.get("timeline"):
         result.first_audio_stages_s = first_audio_stages(summary["timeline"], sent_at, sent_at + result.ttfa_s)
     if summary.get("status") != 200:  # raw audio can only stop short when the server fails mid-way
-        result.error = f"server ended the stream with status {summary.get('status')}"
+        error = summary.get("error") or {}
+        result.error = (f"server ended the stream with status {summary.get('status')}"
+                        + (f" ({error['kind']}: {error['message']})" if error else ""))
 
 
 async def run_closed_loop(client: httpx.AsyncClient, load: SpeechLoad, concurrency: int,

@@ -179,6 +179,9 @@ def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
     return out
 
 
+MAX_ERROR_MESSAGES = 5
+
+
 def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> dict[str, Any]:
     """One level (concurrency or rate) of a run as a JSON-able dict; failed requests only count."""
     ok = [r for r in results if r.is_ok]
@@ -191,6 +194,9 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
         "num_requests": len(results),
         "num_ok": len(ok),
         "errors": dict(sorted(errors.items())),
+        # each distinct failure text once (at most MAX_ERROR_MESSAGES), with how many requests had it
+        "error_messages": dict(Counter(r.error or "no audio" for r in results if not r.is_ok)
+                               .most_common(MAX_ERROR_MESSAGES)),
         "wall_s": wall_s,
         "audio_s_total": audio_s,
         "audio_s_per_wall_s": audio_s / wall_s if wall_s > 0 else None,

@@ -171,7 +171,7 @@ class Ingress:
         request_id = payload["request_id"]
         summary = {"request_id": request_id, "route": route, "status": "streaming",
                    "finish_reason": None, "num_audio_codes": None, "num_audio_samples": 0,
-                   "num_prompt_tokens": None, "num_cached_prompt_tokens": None,
+                   "num_prompt_tokens": None, "num_cached_prompt_tokens": None, "error": None,
                    "timeline": {"ingress_received": received_at}}
         self._remember(summary)
         return StreamingResponse(self._body(route, stream, plan, summary, started, deadline),
@@ -220,6 +220,7 @@ class Ingress:
                 elif event["type"] == "error":
                     logger.warning("stream %s failed mid-way: %s", summary["request_id"], event["message"])
                     status, error_kind = event["status"], event["kind"]
+                    summary["error"] = {"kind": event["kind"], "message": event["message"]}
                     chunk = plan.error(event)
                     if chunk:
                         yield chunk

@@ -43,6 +43,20 @@ def test_playback_clock_counts_each_stall_once_with_its_length() -> None:
     assert clock.stalled_at_audio_s == [1.0, 2.0]  # audio played before each stall: 4 and 8 samples
 
 
+def test_summary_counts_failures_by_kind_and_keeps_each_distinct_message() -> None:
+    from bench.measure import RequestResult
+
+    mid_way = "server ended the stream with status 500 (internal: OutOfMemoryError: CUDA out of memory)"
+    results = [RequestResult(status=200, num_samples=1920),
+               RequestResult(status=200, error=mid_way, num_samples=960),
+               RequestResult(status=200, error=mid_way),
+               RequestResult(status=503, error='HTTP 503: {"error": "busy"}'),
+               RequestResult(status=200)]  # a 200 without audio and without a message
+    summary = summarize(results, wall_s=1.0)
+    assert (summary["num_ok"], summary["errors"]) == (1, {"200_incomplete": 3, "503": 1})
+    assert summary["error_messages"] == {mid_way: 2, 'HTTP 503: {"error": "busy"}': 1, "no audio": 1}
+
+
 def test_stall_positions_bin_by_audio_played_with_edges_in_the_upper_bin() -> None:
     assert stall_positions([0.0, 0.24, 0.5, 0.99, 1.0, 3.9, 4.0, 7.5]) == {
         "<0.5": 2, "0.5-1": 2, "1-2": 1, "2-4": 1, ">=4": 2}
