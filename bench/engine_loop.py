@@ -52,8 +52,9 @@ def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.fast_path is not None:
         kwargs["fast_path"] = args.fast_path
-    if args.check_matmuls is not None:
-        kwargs["check_matmuls"] = args.check_matmuls
+    for check in ("check_matmuls", "check_largest_step"):
+        if getattr(args, check) is not None:
+            kwargs[check] = getattr(args, check)
     if kwargs["model"] == "full" and not args.random_weights:
         raise SystemExit("the 'full' preset has random weights: pass --random-weights to say you mean it")
     return EngineCore.from_config(EngineConfig(**kwargs)), kwargs
@@ -285,6 +286,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--check-matmuls", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's start-up check of its matrix products (default: on CUDA)")
+    p.add_argument("--check-largest-step", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's start-up run of its largest step (default: on CUDA)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -93,6 +93,11 @@ class EngineConfig:
     # Multiply each distinct matrix of the model at a few row counts and compare with float32 before serving;
     # a wrong product stops the engine (runtime/matmul_check.py). None: on CUDA only.
     check_matmuls: bool | None = None
+    # Run the largest step the scheduler can form off the CUDA graphs (max_num_batched_tokens rows over up to
+    # max_num_running sequences, all sampling) once before serving: its activations then sit reserved under
+    # the memory cap, or the engine fails to start with EngineMemoryError naming the settings, instead of a
+    # burst of prompts failing every in-flight request mid-serving. None: on CUDA only.
+    check_largest_step: bool | None = None
     # Fast path on CUDA: row buckets of the one-sequence prefill graphs (None: runtime.cuda_graph's
     # DEFAULT_PREFILL_BUCKETS). A chunk runs padded to the smallest bucket that holds it; longer ones run eagerly.
     prefill_buckets: tuple[int, ...] | None = None
@@ -233,6 +238,46 @@ def default_seed(request_id: str) -> int:
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
 
 
+class EngineMemoryError(EngineError, RuntimeError):
+    """The settings' largest step does not fit in the device memory left after the weights, the KV cache
+    and the CUDA graphs (raised at start-up by `run_largest_step`)."""
+
+
+@dataclass(frozen=True)
+class LargestStep:
+    """The start-up run of the largest step (`run_largest_step`)."""
+
+    num_rows: int
+    num_seqs: int
+    # CUDA: what the allocator holds beyond live tensors once it ran (room kept for steps' activations)
+    free_reserved_bytes: int | None
+
+
+def run_largest_step(runner: ModelRunner, config: EngineConfig) -> LargestStep | None:
+    """`ModelRunner.run_largest_step` for these settings -> what ran (None: a budget under 2 rows has no
+    multi-sequence step). Out of device memory -> EngineMemoryError with the remedies."""
+    rows = config.max_num_batched_tokens
+    seqs = min(config.max_num_running, rows // 2)
+    if seqs < 1:
+        return None
+    device = runner.device
+    try:
+        runner.run_largest_step(rows, seqs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError as exc:
+        raise EngineMemoryError(
+            f"the largest step these settings allow ({rows} rows, max_num_batched_tokens, over {seqs} sequences) "
+            f"does not fit in device memory next to the weights, KV cache and CUDA graphs: lower "
+            f"max_num_batched_tokens or kv_cache_bytes, or raise memory_cap_bytes ({exc})") from None
+    free = None
+    if device.type == "cuda":
+        free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        logger.info("largest step (%d rows over %d sequences) ran; %.2f GiB reserved for steps", rows, seqs,
+                    free / 2**30)
+    return LargestStep(rows, seqs, free)
+
+
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     """KV pool size from `kv_cache_bytes`, else a fraction of free device memory (a fixed budget on CPU)."""
     device = torch.device(config.device)
@@ -327,6 +372,9 @@ class EngineCore:
             max_num_running=config.max_num_running, weights=weights, audio_only_steps=config.audio_only_steps,
             prefill_buckets=config.prefill_buckets,
         )
+        self.largest_step: LargestStep | None = None  # the start-up run of the largest step (None: not run)
+        if config.check_largest_step or (config.check_largest_step is None and device.type == "cuda"):
+            self.largest_step = run_largest_step(self.runner, config)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)  # the latest steps, oldest first

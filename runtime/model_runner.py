@@ -23,7 +23,7 @@ from runtime.fused import FusedWeights
 from runtime.kv_cache import KVCache
 from runtime.modality import TEXT_MODE
 from runtime.model import MossSpeechForCausalLM, split_rows
-from runtime.sampling import LaunchedRows, RequestSampler, launch_next_rows
+from runtime.sampling import LaunchedRows, RequestSampler, SamplingParams, launch_next_rows
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import PENDING_ROW
 from runtime.transfer import to_device
@@ -31,6 +31,8 @@ from runtime.transfer import to_device
 # Decode steps for the graph runner keep their inputs on the host and move them in one copy
 # (`DecodeGraphRunner.run_host`); False: device tensors per input, as before (bench/engine_loop.py A/B).
 STAGED_DECODE_INPUTS = True
+# the sampling settings of `run_largest_step`'s rows (text, audio): upstream's defaults, top-k and penalties on
+DEFAULT_CHANNELS = (SamplingParams(), SamplingParams())
 
 
 @dataclass
@@ -209,6 +211,42 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[str, Row]:
         """`prepare` then `execute`; returns the sampled row per request id."""
         return self.execute(self.prepare(out))
+
+    @torch.inference_mode()
+    def run_largest_step(self, num_rows: int, num_seqs: int) -> None:
+        """Run the largest step the scheduler can form off the graphs: `num_rows` new rows over `num_seqs`
+        fresh sequences (rows spread evenly, at least 2 each, so none is a decode row), every sequence
+        sampling both channels; twice, the first step's logits and sampling alive during the second forward,
+        as an asynchronous step leaves them. Its K/V go to blocks 0, 1, ... (reused modulo the pool): call
+        it before any sequence holds a block. The paths' step counts are left as they were. Used by the
+        engine at start-up (`EngineCore`), so that this step's activations either fit under the memory cap and
+        stay reserved in the allocator, or fail there instead of in the middle of serving."""
+        if not 2 <= 2 * num_seqs <= num_rows:
+            raise ValueError(f"need 2 <= 2 x num_seqs <= num_rows, got {num_seqs} sequences of {num_rows} rows")
+        block_size, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+        query_lens = [num_rows // num_seqs + (i < num_rows % num_seqs) for i in range(num_seqs)]
+        tables, next_block = [], 0
+        for n in query_lens:
+            width = -(-n // block_size)
+            tables.append([(next_block + j) % num_blocks for j in range(width)])
+            next_block += width
+        attn = AttentionMetadata.build(query_lens, query_lens, tables, block_size, self.device,
+                                       plain_tensors=self.fast is None)
+        samplers = [RequestSampler([], *DEFAULT_CHANNELS, min_new_tokens=0, seed=i) for i in range(num_seqs)]
+        inp = ModelInput(
+            tokens=torch.zeros(num_rows, dtype=torch.long, device=self.device),
+            is_audio=torch.zeros(num_rows, dtype=torch.bool, device=self.device),
+            positions=attn.positions(self.device), attn=attn,
+            sample_indices=torch.arange(num_seqs, device=self.device),
+            sample_request_ids=[f"largest-step-{i}" for i in range(num_seqs)], samplers=samplers)
+        counts, last_path = self.num_steps_by_path.copy(), self.last_path
+        try:
+            first = self.launch_sample(inp, self.forward(inp))
+            second = self.forward(inp)
+            first.complete()
+            del second
+        finally:
+            self.num_steps_by_path, self.last_path = counts, last_path
 
     def _took(self, path: str) -> None:
         self.num_steps_by_path[path] += 1

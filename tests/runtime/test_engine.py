@@ -216,6 +216,39 @@ def test_fp8_kv_cache_holds_more_blocks_and_the_fast_path_generates_the_plain_pa
         EngineConfig(kv_cache_dtype="fp16")
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_the_start_up_largest_step_runs_and_changes_no_row(fast_path: bool) -> None:
+    """check_largest_step: the start-up step (max_num_batched_tokens 12 rows over min(3, 12 // 2) = 3
+    sequences) leaves no block used, no step counted, and the rows of every later request as without it."""
+    plain = build_model(CONFIG, seed=0)
+    rng = random.Random(17)
+    requests = [GenerationRequest(f"l{i}", prompt(rng, 5 + 3 * i, audio_out=i != 0), GREEDY, GREEDY,
+                                  max_new_tokens=5) for i in range(3)]
+    core = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(),
+                      engine_config(num_blocks=8, fast_path=fast_path, max_num_running=3,
+                                    max_num_batched_tokens=12, check_largest_step=True))
+    assert core.largest_step == engine_module.LargestStep(num_rows=12, num_seqs=3, free_reserved_bytes=None)
+    assert core.stats().num_blocks_used == 0 and not core.runner.num_steps_by_path
+    seqs, _ = run_core(core, {0: requests})
+    for request in requests:
+        assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
+    off = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), engine_config(check_largest_step=None))
+    assert off.largest_step is None  # on CPU the default does not run it
+
+
+def test_a_largest_step_out_of_memory_stops_the_engine_naming_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    def out_of_memory(self: object, num_rows: int, num_seqs: int) -> None:
+        assert (num_rows, num_seqs) == (64, 24)  # max_num_batched_tokens; min(max_num_running, 64 // 2)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 MiB.")
+
+    monkeypatch.setattr(engine_module.ModelRunner, "run_largest_step", out_of_memory)
+    config = engine_config(max_num_running=24, max_num_batched_tokens=64, check_largest_step=True)
+    with pytest.raises(engine_module.EngineMemoryError, match=r"\(64 rows, max_num_batched_tokens, over 24 "
+                       r"sequences\) does not fit .* lower max_num_batched_tokens or kv_cache_bytes, or raise "
+                       r"memory_cap_bytes \(CUDA out of memory\. Tried to allocate 24\.00 MiB\.\)"):
+        EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), config)
+
+
 def test_audio_only_steps_skip_the_text_head_and_change_no_row() -> None:
     """A text-output request beside audio-output ones: while it runs, every step computes the text logits;
     after it ends (max_new_tokens 2), the audio-mode rows alone skip them. Rows and events are those of the
