@@ -74,6 +74,7 @@ class LLMServer:
         self._ttfa = RecentWindow(window_s=60.0)
         self._seen_queries = 0
         self._seen_hits = 0
+        self._seen_preemptions = 0
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -149,6 +150,9 @@ class LLMServer:
         if hits > self._seen_hits:
             self._metrics.prefix_cache_hit_tokens.inc(hits - self._seen_hits)
         self._seen_queries, self._seen_hits = queries, hits
+        if stats.num_preemptions > self._seen_preemptions:
+            self._metrics.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = stats.num_preemptions
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -64,6 +64,7 @@ class LLMMetrics:
     prefix_cache_hit_rate: Gauge
     prefix_cache_hit_tokens: Counter
     prefix_cache_query_tokens: Counter
+    preemptions: Counter
     time_to_first_code: Histogram
 
     @classmethod
@@ -80,6 +81,9 @@ class LLMMetrics:
                                             description="Prompt tokens found in the prefix cache."),
             prefix_cache_query_tokens=Counter("moss_prefix_cache_query_tokens",
                                               description="Prompt tokens looked up in the prefix cache."),
+            preemptions=Counter("moss_preemptions", description=(
+                "Running sequences preempted because the KV cache had no free block (their rows are computed "
+                "again when they are admitted again).")),
             time_to_first_code=Histogram(
                 "moss_time_to_first_code_seconds", boundaries=TTFA_BOUNDARIES,
                 description="Seconds from a request reaching the LLM deployment to its first audio codes leaving it."),

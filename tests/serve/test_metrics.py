@@ -148,3 +148,44 @@ def test_record_autoscaling_stats_per_contract(http: httpx.Client) -> None:
     vocoder_stats = vocoder.record_autoscaling_stats.remote().result()
     assert set(vocoder_stats) == {"batch_occupancy", "lag_s"}
     assert 0 < vocoder_stats["batch_occupancy"] <= 1 and vocoder_stats["lag_s"] == 0.0
+
+
+def test_llm_counters_grow_by_the_engine_totals_increase() -> None:
+    """`_refresh_metrics` turns the engine's lifetime totals into counter increments: each refresh adds what
+    the total grew by since the last one, nothing when it did not grow (in process, no Ray)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from deployments.llm_server import LLMServer
+    from deployments.metrics import LLMMetrics
+    from runtime.engine import EngineStats
+
+    class Recorder:  # stands in for a Gauge or a Counter
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, float]] = []
+
+        def set(self, value: float) -> None:
+            self.calls.append(("set", value))
+
+        def inc(self, value: float) -> None:
+            self.calls.append(("inc", value))
+
+    totals = iter([(10, 4, 0), (10, 4, 3), (30, 12, 3), (30, 12, 5)])  # (queried, hits, preemptions)
+    server = object.__new__(LLMServer)
+    server._metrics = LLMMetrics(**{f.name: Recorder() for f in dataclasses.fields(LLMMetrics)})
+    server._seen_queries = server._seen_hits = server._seen_preemptions = 0
+
+    def stats() -> EngineStats:
+        queries, hits, preemptions = next(totals)
+        return EngineStats(num_running=2, num_waiting=1, num_blocks_total=8, num_blocks_used=5, num_blocks_free=3,
+                           prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions)
+
+    server._engine = SimpleNamespace(stats=stats)
+    for _ in range(4):
+        server._refresh_metrics()
+    m = server._metrics
+    assert m.preemptions.calls == [("inc", 3), ("inc", 2)]
+    assert m.prefix_cache_query_tokens.calls == [("inc", 10), ("inc", 20)]
+    assert m.prefix_cache_hit_tokens.calls == [("inc", 4), ("inc", 8)]
+    assert m.prefix_cache_hit_rate.calls == [("set", 0.4)] * 4
+    assert m.kv_blocks_used.calls == [("set", 5)] * 4 and m.queued_requests.calls == [("set", 1)] * 4
