@@ -2,13 +2,15 @@
 does (CUDA graphs, warm-up, reserved sessions, both lanes), then drive the largest steps its batcher can
 form, and print one JSON line with the allocator's figures after the build and at the peak.
 
-    python bench/vocoder_memory.py --config config/serve-4090.yaml [--keep-cap] [--out FILE]
+    python bench/vocoder_memory.py --config config/serve-4090.yaml [--keep-cap] [--eager-warmup-rows 4,8]
+        [--out FILE]
 
 Without `--keep-cap` the config's `vocoder_memory_cap_bytes` is not applied, so the figures say what a cap
 must allow. Steps: `max_batch_size` streams get their first chunk in fast-lane-sized steps, then rounds of
 chunks through the main schedule up to its repeating last chunk, in steps as large as `step_code_budget`
-allows (rows padded as the vocoder pads them x the chunk's codes). Off CUDA it runs the same steps with no
-memory figures (a check of the script).
+allows (rows padded as the vocoder pads them x the chunk's codes). Each step's wall time is kept (`step_ms`,
+the GPU waited for), so a shape's first step, eager or captured, shows beside its later ones. Off CUDA it
+runs the same steps with no memory figures (a check of the script).
 """
 from __future__ import annotations
 
@@ -41,9 +43,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--keep-cap", action="store_true", help="apply vocoder_memory_cap_bytes as the replica does")
+    parser.add_argument("--eager-warmup-rows", default=None,
+                        help="comma list: override the config's vocoder_eager_warmup_rows (empty string: none)")
     parser.add_argument("--out")
     args = parser.parse_args()
     _, vocoder_kwargs = settings_from_config(args.config)
+    if args.eager_warmup_rows is not None:
+        vocoder_kwargs["eager_warmup_rows"] = [int(r) for r in args.eager_warmup_rows.split(",") if r.strip()]
     max_batch, batcher = split_vocoder_settings(vocoder_kwargs)
     cap = vocoder_kwargs.pop("memory_cap_bytes", None)
     if args.keep_cap:
@@ -56,13 +62,20 @@ def main() -> None:
     budget = batcher.get("step_code_budget", 256)  # (VocoderBatcher's default)
     sessions = [voc.open("default", seed=i, lane=lane) for i in range(max_batch)]
     steps = samples = 0
+    on_cuda = voc.device.type == "cuda"
+    timings: list[dict[str, float]] = []  # every step's wall time, the GPU waited for (a first shape's shows)
 
     def step_all(codes: int, rows: int, lane: int = 0) -> None:
         """Every session one chunk of `codes` new codes, `rows` sessions per step; PCM checked finite."""
         nonlocal steps, samples
         for i in range(0, max_batch, rows):
-            pcm = voc.step([(s, rng.integers(0, 16384, codes).tolist()) for s in sessions[i : i + rows]],
-                           max_chunks=1, lane=lane)
+            batch = sessions[i : i + rows]
+            t0 = time.perf_counter()
+            pcm = voc.step([(s, rng.integers(0, 16384, codes).tolist()) for s in batch], max_chunks=1, lane=lane)
+            if on_cuda:
+                torch.cuda.synchronize()
+            timings.append({"rows": len(batch), "codes": codes, "lane": lane,
+                            "ms": round((time.perf_counter() - t0) * 1000, 2)})
             assert all(np.isfinite(p).all() for p in pcm)
             steps, samples = steps + 1, samples + sum(len(p) for p in pcm)
 
@@ -74,14 +87,13 @@ def main() -> None:
         codes = voc.next_chunk_codes(paced, 10**6)
         chunk_codes.append(codes)
         step_all(codes, rows_within(voc, budget, codes, max_batch))
-    on_cuda = voc.device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize()
     result = {"command": " ".join(["python", *sys.argv]), "config": args.config, "cap_applied": args.keep_cap,
               "config_cap_bytes": cap, "streams": max_batch, "first_chunk_codes": first,
               "main_chunk_codes": chunk_codes, "steps": steps, "pcm_samples": samples,
               "device": torch.cuda.get_device_name(voc.device) if on_cuda else str(voc.device), "after_build": built,
-              "after_steps": memory_stats(voc.device), "graph_stats": voc.graph_stats}
+              "after_steps": memory_stats(voc.device), "graph_stats": voc.graph_stats, "step_ms": timings}
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -78,6 +78,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                       "cuda_graphs": args.vocoder_cuda_graphs, "bucket_shapes": args.vocoder_bucket_shapes,
                       "warmup_rows": args.vocoder_warmup_rows,
                       "graphs_after_warmup": args.vocoder_graphs_after_warmup,
+                      "eager_warmup_rows": args.vocoder_eager_warmup_rows,
                       "reserved_sessions": args.vocoder_reserved_sessions,
                       "chunk_schedule_codes": args.vocoder_chunk_schedule_codes,
                       "light_load_schedule_codes": args.vocoder_light_load_schedule_codes,

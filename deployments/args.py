@@ -68,6 +68,10 @@ class AppArgs(BaseModel):
     # (StreamingVocoder.freeze_graphs), so the graphs' memory is fixed once the replica is up: for a replica
     # under vocoder_memory_cap_bytes, where a capture at run time could fail. Needs vocoder_warmup_rows.
     vocoder_graphs_after_warmup: bool = True
+    # With vocoder_graphs_after_warmup false: row counts whose steps a second warm-up runs eagerly after the
+    # freeze, so that under traffic the first eager step of each shape does not wait for its kernels to
+    # compile and tune (vocoder.streaming.build_for_serving). Empty: none.
+    vocoder_eager_warmup_rows: list[int] = Field(default_factory=list)
     # Open sessions whose flow state is allocated at start (StreamingVocoder.reserve_sessions; ~0.66 MB
     # each for `full` in bf16). Past it the state pool doubles, which drops the captured flow graphs.
     vocoder_reserved_sessions: int = Field(default=0, ge=0)
@@ -150,11 +154,11 @@ class AppArgs(BaseModel):
             raise ValueError(f"{info.field_name} must be non-empty sizes >= 1, got {value}")
         return value
 
-    @field_validator("vocoder_warmup_rows")
+    @field_validator("vocoder_warmup_rows", "vocoder_eager_warmup_rows")
     @classmethod
-    def _validate_warmup_rows(cls, value: list[int]) -> list[int]:
+    def _validate_warmup_rows(cls, value: list[int], info: ValidationInfo) -> list[int]:
         if any(r < 1 for r in value):
-            raise ValueError(f"vocoder_warmup_rows must all be >= 1, got {value}")
+            raise ValueError(f"{info.field_name} must all be >= 1, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -163,6 +167,8 @@ class AppArgs(BaseModel):
             raise ValueError("vocoder_bucket_shapes and vocoder_warmup_rows need vocoder_cuda_graphs: true")
         if not self.vocoder_graphs_after_warmup and not self.vocoder_warmup_rows:
             raise ValueError("vocoder_graphs_after_warmup: false needs vocoder_warmup_rows")
+        if self.vocoder_eager_warmup_rows and self.vocoder_graphs_after_warmup:
+            raise ValueError("vocoder_eager_warmup_rows needs vocoder_graphs_after_warmup: false")
         if self.vocoder_fast_lane_code_budget is not None and self.vocoder_batching != "deadline":
             raise ValueError("vocoder_fast_lane_code_budget needs vocoder_batching: deadline")
         if self.vocoder_memory_cap_bytes is not None and not self.vocoder_device.startswith("cuda"):

@@ -45,6 +45,8 @@ class VocoderServer:
         if warm:
             logger.info("vocoder warm-up: %d graphs captured in %.1f s (%d steps)",
                         warm["graphs_captured"], warm["seconds"], warm["steps"])
+        if "eager_steps" in warm:
+            logger.info("vocoder eager warm-up: %d steps in %.1f s", warm["eager_steps"], warm["eager_seconds"])
         self._llm = llm
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)

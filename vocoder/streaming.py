@@ -913,6 +913,7 @@ def build_for_serving(
     fast_lane_code_budget: int | None = None,
     memory_cap_bytes: int | None = None,
     graphs_after_warmup: bool = True,
+    eager_warmup_rows: Sequence[int] = (),
     check_matmuls: bool | None = None,
     **from_preset: object,
 ) -> tuple[StreamingVocoder, dict[str, float]]:
@@ -930,6 +931,9 @@ def build_for_serving(
     `memory_cap_bytes` caps this process's allocator on the vocoder's device before anything is built
     (runtime/device_memory.py; CUDA only). `graphs_after_warmup` False: `freeze_graphs()` after the warm-up,
     so shapes it did not capture run eagerly instead of being captured under traffic (needs `warmup_rows`).
+    `eager_warmup_rows` (with `graphs_after_warmup` False): after the freeze, the same warm-up over these row
+    counts, which runs their steps eagerly, so the first eager step of each shape under traffic does not pay
+    for compiling and tuning its kernels (figures under "eager_"-prefixed keys).
     `check_matmuls`: run `check_products` first and refuse to build on a wrong product (None: on CUDA only,
     as the engine's `check_matmuls`).
     Returns the vocoder and the warm-up's figures (empty without one; lanes' and schedules' figures added up).
@@ -938,6 +942,8 @@ def build_for_serving(
         raise ValueError("bucket_shapes and warmup_rows need cuda_graphs")
     if not graphs_after_warmup and not warmup_rows:
         raise ValueError("graphs_after_warmup=False needs warmup_rows (else no graph would ever be captured)")
+    if eager_warmup_rows and graphs_after_warmup:
+        raise ValueError("eager_warmup_rows needs graphs_after_warmup=False (else its steps would be captured)")
     cap_device_memory(str(from_preset.get("device", "cpu")), memory_cap_bytes)
     if chunk_schedule_codes is not None or light_load_schedule_codes is not None:
         cfg = from_preset.get("config") or VocoderConfig.preset(preset)
@@ -957,6 +963,20 @@ def build_for_serving(
     if fast_lane_code_budget is not None:
         voc.add_lane(priority=-1)
     voc.reserve_sessions(reserved_sessions)
+    warm = _warm_up_lanes(voc, warmup_rows, fast_lane_code_budget)
+    voc.close(voc.open("default", seed=0))  # keeps the most common priming (warm_up's streams use it too)
+    if not graphs_after_warmup:
+        voc.freeze_graphs()
+        if eager_warmup_rows:  # frozen: these steps run eagerly
+            eager = _warm_up_lanes(voc, eager_warmup_rows, fast_lane_code_budget)
+            warm.update({f"eager_{key}": value for key, value in eager.items()})
+    return voc, warm
+
+
+def _warm_up_lanes(voc: StreamingVocoder, warmup_rows: Sequence[int], fast_lane_code_budget: int | None
+                   ) -> dict[str, float]:
+    """`warm_up` over `warmup_rows` for each chunk schedule, on lane 0 and, for the rows whose first chunks fit
+    `fast_lane_code_budget`, on the fast lane (see `build_for_serving`) -> the figures added up."""
     stream = voc.config.stream
     warm: dict[str, float] = {}
     for index, schedule in enumerate(voc.schedules if voc.is_low_latency else [None]):
@@ -969,10 +989,7 @@ def build_for_serving(
             if lane_rows:
                 figures = voc.warm_up(lane_rows, lane=lane, schedule=schedule)
                 warm = {key: warm.get(key, 0) + value for key, value in figures.items()}
-    voc.close(voc.open("default", seed=0))  # keeps the most common priming (warm_up's streams use it too)
-    if not graphs_after_warmup:
-        voc.freeze_graphs()
-    return voc, warm
+    return warm
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

@@ -358,6 +358,24 @@ def test_frozen_graphs_run_unwarmed_shapes_eagerly_with_the_same_audio(codes: li
     assert after["num_eager_calls"] > before["num_eager_calls"] and after["num_replays"] > before["num_replays"]
 
 
+def test_an_eager_warm_up_after_the_freeze_runs_its_steps_and_captures_nothing() -> None:
+    from vocoder.streaming import build_for_serving
+
+    frozen, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
+                                     warmup_rows=[1], graphs_after_warmup=False)
+    voc, both = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
+                                  warmup_rows=[1], graphs_after_warmup=False, eager_warmup_rows=[2])
+    stats = voc.graph_stats
+    assert stats["num_graphs"] == frozen.graph_stats["num_graphs"] == warm["graphs_captured"] > 0
+    assert (both["graphs_captured"], both["steps"]) == (warm["graphs_captured"], warm["steps"])
+    # the same schedule walk for 2 rows as for 1 row, every step of it eager
+    assert (both["eager_graphs_captured"], both["eager_steps"]) == (0, warm["steps"])
+    assert stats["num_eager_calls"] > frozen.graph_stats["num_eager_calls"]
+    assert voc.num_open_sessions == 0
+    with pytest.raises(ValueError, match="eager_warmup_rows needs graphs_after_warmup=False"):
+        build_for_serving("tiny", cuda_graphs=True, warmup_rows=[1], eager_warmup_rows=[2])
+
+
 def test_warm_up_needs_graphs_and_valid_rows() -> None:
     voc = StreamingVocoder.from_preset("tiny")
     with pytest.raises(RuntimeError, match="use_cuda_graphs"):
