@@ -45,10 +45,11 @@ def test_gpu_config_is_refused_on_a_gpu_less_cluster(name: str) -> None:
     check_gpus(args, gpus_available=1.0)  # one card holds 0.8 + 0.2
 
 
-@pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib"), [
-    ("serve-4090.yaml", None, 512, (19.75, 2.25)), ("serve-4090-fp8.yaml", "all", 1024, (18.0, 3.75))])
+@pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib", "eager_rows"), [
+    ("serve-4090.yaml", None, 512, (19.75, 2.25), [4, 8]), ("serve-4090-fp8.yaml", "all", 1024, (18.0, 3.75), [])])
 def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
-        name: str, fp8_scope: str | None, step_tokens: int, caps_gib: tuple[float, float]) -> None:
+        name: str, fp8_scope: str | None, step_tokens: int, caps_gib: tuple[float, float],
+        eager_rows: list[int]) -> None:
     # measured under these caps on an H200: bench/results/serve-4090-on-h200/ and (the bf16 config's 512
     # tokens per step, after 1024 ran out of memory in a burst) bench/results/serve-4090-kv8/
     from runtime.engine import EngineConfig
@@ -59,6 +60,7 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
     assert (engine.kv_cache_dtype, engine.check_largest_step) == ("auto", None)  # the check runs on CUDA
     assert (engine.memory_cap_bytes / 2**30, args.vocoder_memory_cap_bytes / 2**30) == caps_gib
     assert args.vocoder_cuda_graphs and args.vocoder_bucket_shapes and not args.vocoder_graphs_after_warmup
+    assert args.vocoder_eager_warmup_rows == eager_rows
 
 
 def test_gpu_config_uses_the_ops_autoscaling_policies() -> None:
@@ -107,6 +109,9 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [0]}, "vocoder_warmup_rows must all be >= 1"),
     ({"vocoder_cuda_graphs": True, "vocoder_graphs_after_warmup": False},
      "vocoder_graphs_after_warmup: false needs vocoder_warmup_rows"),
+    ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [1], "vocoder_eager_warmup_rows": [4]},
+     "vocoder_eager_warmup_rows needs vocoder_graphs_after_warmup: false"),
+    ({"vocoder_eager_warmup_rows": [4, 0]}, "vocoder_eager_warmup_rows must all be >= 1"),
     ({"vocoder_reserved_sessions": -1}, "greater than or equal to 0"),
     ({"vocoder_chunk_schedule_codes": [3, 0]}, "vocoder_chunk_schedule_codes must be non-empty sizes >= 1"),
     ({"vocoder_light_load_schedule_codes": []}, "vocoder_light_load_schedule_codes must be non-empty sizes >= 1"),
