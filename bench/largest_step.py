@@ -15,7 +15,6 @@ on) and reports what the check left reserved, or its EngineMemoryError.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import runtime.engine as engine_module
 from bench.engine_loop import add_engine_args, build_core
+from bench.fast_tools import emit
 from runtime.device_memory import memory_stats
 from runtime.engine import EngineMemoryError
 
@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result.update(engine=kwargs, device_name=torch.cuda.get_device_name(device),
                       after_build=memory_stats(device),
                       shapes=[measure(core, rows, seqs) for rows, seqs in shapes])
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    emit(result, Path(args.out) if args.out else None)
     return result
 
 
