@@ -59,6 +59,11 @@ def to_event(event: Any) -> dict[str, Any]:
                 "engine_codes": list(timeline.codes)}}
 
 
+# (LLMMetrics counter, EngineStats field): the engine's lifetime totals, exported by their increase
+COUNTED_TOTALS = (("prefix_cache_query_tokens", "prefix_cache_queries"),
+                  ("prefix_cache_hit_tokens", "prefix_cache_hits"), ("preemptions", "num_preemptions"))
+
+
 class LLMServer:
     """One engine per replica; `generate` is called with `handle.options(stream=True)`."""
 
@@ -72,9 +77,7 @@ class LLMServer:
                         len(checks), max(c.rel_err for c in checks))
         self._metrics = LLMMetrics.create()
         self._ttfa = RecentWindow(window_s=60.0)
-        self._seen_queries = 0
-        self._seen_hits = 0
-        self._seen_preemptions = 0
+        self._seen = dict.fromkeys((field for _, field in COUNTED_TOTALS), 0)  # totals exported so far
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -145,14 +148,11 @@ class LLMServer:
         self._metrics.kv_blocks_free.set(stats.num_blocks_free)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self._metrics.prefix_cache_hit_rate.set(hits / queries if queries else 0.0)
-        if queries > self._seen_queries:
-            self._metrics.prefix_cache_query_tokens.inc(queries - self._seen_queries)
-        if hits > self._seen_hits:
-            self._metrics.prefix_cache_hit_tokens.inc(hits - self._seen_hits)
-        self._seen_queries, self._seen_hits = queries, hits
-        if stats.num_preemptions > self._seen_preemptions:
-            self._metrics.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
-            self._seen_preemptions = stats.num_preemptions
+        for counter, field in COUNTED_TOTALS:
+            total = getattr(stats, field)
+            if total > self._seen[field]:
+                getattr(self._metrics, counter).inc(total - self._seen[field])
+                self._seen[field] = total
 
     async def _refresh_loop(self) -> None:
         while True:

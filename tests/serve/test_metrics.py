@@ -173,7 +173,7 @@ def test_llm_counters_grow_by_the_engine_totals_increase() -> None:
     totals = iter([(10, 4, 0), (10, 4, 3), (30, 12, 3), (30, 12, 5)])  # (queried, hits, preemptions)
     server = object.__new__(LLMServer)
     server._metrics = LLMMetrics(**{f.name: Recorder() for f in dataclasses.fields(LLMMetrics)})
-    server._seen_queries = server._seen_hits = server._seen_preemptions = 0
+    server._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
     def stats() -> EngineStats:
         queries, hits, preemptions = next(totals)
