@@ -39,6 +39,7 @@ from bench.fast_tools import (
     logit_compare,
     time_interleaved,
 )
+from runtime import fp8 as fp8_mod
 from runtime.cuda_graph import DecodeGraphRunner
 from runtime.fast_forward import FastForward
 from runtime.fast_ops import TritonOps
@@ -52,12 +53,13 @@ BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two"
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
 # (attn_dynamic_parts 1 / 0: partitions of each sequence's context or of the table's span), OPTIONS["launch"]
-# (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split)
+# (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split),
+# runtime.fp8.OPTIONS["act_quant"] (fp8_act_quant=triton / torch: how FP8 products of > 16 rows quantize x)
 KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
-                  "attn_launch": (attn_mod.OPTIONS, "launch")}
+                  "attn_launch": (attn_mod.OPTIONS, "launch"), "fp8_act_quant": (fp8_mod.OPTIONS, "act_quant")}
 
 
 def skipping_ops(names: list[str]) -> TritonOps:

@@ -54,15 +54,31 @@ def quantize_weight(w: torch.Tensor, chunk_rows: int = 8192) -> Fp8Weight:
     return Fp8Weight(q, scale)
 
 
+# How `_scaled_mm_linear` quantizes its activations: "triton" = one kernel (runtime/kernels/fp8_act.py), "torch"
+# = the eager ops (six to seven kernels, ~25 us per product on the H200); the same bits either way.
+OPTIONS: dict[str, str] = {"act_quant": "triton"}
+
+
+def quantize_activations(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [rows, K], float32 scales [rows, 1]): per row, scale = max(max|row|, 1e-12) x
+    float32(1 / 448) and codes = row / scale; rows past M are zero rows (padding)."""
+    if OPTIONS["act_quant"] == "triton" and HAS_TRITON and x.is_cuda:
+        from runtime.kernels.fp8_act import quantize_rows
+
+        return quantize_rows(x.contiguous(), rows)
+    xf = x.float()
+    if rows != x.shape[0]:
+        xf = F.pad(xf, (0, 0, 0, rows - x.shape[0]))
+    # times float32(1 / 448), not / 448: what PyTorch's CUDA division by a scalar computes (a multiplication by
+    # the reciprocal), written out so that the CPU (which divides) gives the same bits
+    sa = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)  # [rows, 1]
+    return (xf / sa).to(FP8_DTYPE), sa
+
+
 def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """Dynamic per-row activation quantization + torch._scaled_mm (rowwise scales); rows padded to 16."""
     rows = x.shape[0]
-    padded = -(-rows // 16) * 16
-    xf = x.float()
-    if padded != rows:
-        xf = F.pad(xf, (0, 0, 0, padded - rows))
-    sa = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
-    xq = (xf / sa).to(FP8_DTYPE)
+    xq, sa = quantize_activations(x, -(-rows // 16) * 16)
     out = torch._scaled_mm(xq, w.weight.t(), scale_a=sa, scale_b=w.scale[None, :], out_dtype=x.dtype)
     return out[:rows]
 

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from runtime.kernels import elementwise, fp8_gemv, gemv, paged_attention
+from runtime.kernels import elementwise, fp8_act, fp8_gemv, gemv, paged_attention
 from vocoder.kernels import aa_snake, channel_bias, chunk_attention, flow_fused, frame_noise
 
 HOPPER, ADA = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 89, 32)
@@ -46,6 +46,7 @@ def _ptrs(names: str, ty: str = "*bf16") -> dict[str, str]:
 
 GEMV_SIG = _ptrs("x_ptr res_ptr nw_ptr res_out_ptr") | {"w_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*bf16",
                                                       "N": "i32", "K": "i32", "eps": "fp32"}
+FP8_ACT_SIG = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32"}
 LIN_SIG = _ptrs("x_ptr w_ptr b_ptr g_ptr beta_ptr r_ptr y_ptr") | {"M": "i32", "N": "i32", "eps": "fp32"}
 CONV_SIG = _ptrs("x_ptr cache_ptr w_ptr cb_ptr g_ptr beta_ptr add_ptr") | {
     "valid_ptr": "*i32", "y_ptr": "*bf16", "upd_ptr": "*bf16", "CO": "i32", "T": "i32",
@@ -111,6 +112,7 @@ CASES = [
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                                                       "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
      {"BLOCK_N": 32, "BLOCK_K": 256}),
+    ("fp8_act_quantize", fp8_act._quantize_rows_kernel, FP8_ACT_SIG, {"K": 12288, "BLOCK": 2048}),
     *[(f"flow_fused_linear[early_w={early},k={k}]", flow_fused._fused_linear_kernel, LIN_SIG,
        {"K": k, "HAS_LN": k == 256, "HAS_BIAS": True, "ACT": int(k == 256), "HAS_RES": k > 256, "IEEE": False,
         "BM": 16, "BN": 32, "BK": 256, "EARLY_W": early}) for early in (True, False) for k in (256, 1024)],
@@ -250,3 +252,14 @@ def test_fp8_cache_kernels_quantize_by_ieee_division_and_multiply_in_float16() -
     assert fp8_attn["cvt.rn.f16x2.e4m3x2"] > 0 and fp8_attn["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"] > 0
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" not in fp8_attn
     assert bf16_attn["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"] > 0 and "cvt.rn.f16x2.e4m3x2" not in bf16_attn
+
+
+def test_fp8_activation_quantization_divides_exactly_and_rounds_to_nearest() -> None:
+    """runtime/kernels/fp8_act.py must give the eager ops' bits (runtime/fp8.py): each code's division
+    IEEE-rounded (div.rn, not the approximate div.full; the scale is a product by float32(1 / 448)) and the
+    codes rounded to nearest by the hardware's e4m3 conversion."""
+    ops = _opcodes(_ptx(fp8_act._quantize_rows_kernel, FP8_ACT_SIG, {"K": 4096, "BLOCK": 2048, "USE_PDL": False},
+                        HOPPER))
+    # 4 warps x 32 threads hold 2048 values: 16 per thread and chunk, 2 chunks
+    assert ops["div.rn.f32"] == 32 and "div.full.f32" not in ops and "div.approx.f32" not in ops
+    assert ops["cvt.rn.satfinite.e4m3x2.f32"] == 16  # 32 codes per thread, two per conversion
