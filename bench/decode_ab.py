@@ -55,11 +55,14 @@ BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two"
 # (attn_dynamic_parts 1 / 0: partitions of each sequence's context or of the table's span), OPTIONS["launch"]
 # (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split),
 # runtime.fp8.OPTIONS["act_quant"] (fp8_act_quant=triton / torch: how FP8 products of > 16 rows quantize x)
+# and OPTIONS["weight_only"] (fp8_weight_only=table / off: the weight-only kernel for the 17-64-row products
+# its table names, or `torch._scaled_mm` for all)
 KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
-                  "attn_launch": (attn_mod.OPTIONS, "launch"), "fp8_act_quant": (fp8_mod.OPTIONS, "act_quant")}
+                  "attn_launch": (attn_mod.OPTIONS, "launch"), "fp8_act_quant": (fp8_mod.OPTIONS, "act_quant"),
+                  "fp8_weight_only": (fp8_mod.OPTIONS, "weight_only")}
 
 
 def skipping_ops(names: list[str]) -> TritonOps:

@@ -1,7 +1,7 @@
 """FP8-weight products for more than 16 rows, per layer matrix of the full shape and row count (H200):
 - `torch._scaled_mm` with per-row FP8 activations (runtime/fp8.py), its activations quantized by one Triton
   kernel (`fp8_scaled_mm`, the default) or by the eager ops it used before (`fp8_scaled_mm_eager`);
-- a weight-only Triton kernel (below), over a sweep of tiles;
+- the weight-only Triton kernel (runtime/kernels/fp8_gemm.py), over a sweep of tiles (its table `TILES`);
 - bf16 cuBLAS, the baseline.
 
     python bench/fp8_rows.py --out bench/results/fp8-rows-h200/fp8-rows.json
@@ -10,11 +10,6 @@ Every candidate is first checked against a float32 product with the dequantized 
 under 1e-2, all finite); then each product is timed per call in a CUDA graph of 16 calls over 4 weight
 copies (L2 holds none of them). `gbps` counts the weight bytes once. The sweep stops starting new shapes
 after `--budget-s`.
-
-The weight-only kernel (probe, not adopted): out = x @ (w_fp8 * scale).T with x in bf16, each weight tile read
-once as 1 byte per value, widened to bf16 in registers and multiplied on the tensor cores as the left operand
-(the product computed transposed, W x^T); a program owns BN channels of BM rows over one K slice, grid (row
-tiles, channel tiles, SPLIT), float32 partials summed in split order by a second kernel when SPLIT > 1.
 """
 from __future__ import annotations
 
@@ -28,83 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
 from runtime import fp8
 from runtime.fp8 import _scaled_mm_linear, quantize_weight
-from runtime.kernels.launch import pdl_args, pdl_enter
-
-
-@triton.jit
-def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    k_lo = pid_s * K_SPLIT
-    m_mask = rm < M
-    n_mask = rn < N
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + (k_lo + rk)[None, :]  # [BN, BK], fp8
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * K + (k_lo + rk)[None, :]  # [BM, BK]
-    pdl_enter(USE_PDL)
-    acc = tl.zeros([BN, BM], tl.float32)
-    for k0 in range(0, K_SPLIT, BK):
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
-    if PARTIAL:  # [SPLIT, M, N] float32, unscaled
-        out = out_ptr + (pid_s * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
-        tl.store(out, acc, mask=m_mask[None, :] & n_mask[:, None])
-    else:
-        acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
-        out = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
-
-
-@triton.jit
-def _reduce_kernel(part_ptr, s_ptr, out_ptr, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.load(part_ptr + row * N + cols, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
-    acc = acc * tl.load(s_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def fp8_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-             tiles: tuple[int, int, int, int, int, int]) -> torch.Tensor:
-    """x [M, K] bf16 or fp16, w [N, K] float8_e4m3fn, scale [N] float32 -> [M, N] in x's dtype;
-    tiles = (BM, BN, BK, warps, stages, SPLIT)."""
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
-    assert x.is_contiguous() and w.is_contiguous() and scale.shape == (w.shape[0],)
-    m, k = x.shape
-    n = w.shape[0]
-    bm, bn, bk, warps, stages, split = tiles
-    assert k % (split * bk) == 0, f"K ({k}) must be a multiple of SPLIT x BK ({split} x {bk})"
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
-    target = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    _fp8_gemm_kernel[grid](x, w, scale, target, m, n, K=k, K_SPLIT=k // split, BM=bm, BN=bn, BK=bk,
-                           PARTIAL=split > 1, num_warps=warps, num_stages=stages, **pdl_args())
-    if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _reduce_kernel[(m, triton.cdiv(n, block))](target, scale, out, m, n, SPLIT=split, BLOCK=block,
-                                                    num_warps=4, **pdl_args())
-    return out
-
+from runtime.kernels.fp8_gemm import fp8_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "audio_head": (16512, 4096), "text_head": (151680, 4096)}

@@ -16,7 +16,7 @@ import torch
 
 from runtime.attention import AttentionMetadata
 from runtime.fast_ops import TorchOps, TritonOps, default_ops, rope_tables
-from runtime.fp8 import Fp8Weight, linear
+from runtime.fp8 import GEMV_MAX_ROWS, Fp8Weight, linear
 from runtime.fused import FusedWeights, LayerWeights
 from runtime.kernels import pdl_launches, resolve_pdl
 from runtime.kv_cache import KVCache
@@ -85,7 +85,8 @@ class FastForward:
 
     def __init__(
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
-        one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int = 32, parallel_tails: bool | None = None,
+        one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int | None = None,
+        parallel_tails: bool | None = None,
         fused_rope: bool = True, float_logits: bool = False,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
@@ -105,7 +106,11 @@ class FastForward:
         (bench/engine.py; the last three in interleaved rounds) the 64-row step with PDL was 0.3%, 3.0%, 1.0%,
         1.0% and 1.3% slower than without and once even (-0.2%), at 32 rows 0.3% faster to even, at 128 rows
         1.3-4.5% slower (bench/results/decode-logits-h200/). (Single-graph A/Bs, bench/decode_ab.py, put 64 even and 128 up
-        to 2.6% faster: why the engine's many-bucket runners differ was not found.)
+        to 2.6% faster: why the engine's many-bucket runners differ was not found.) `pdl_max_rows` None: 32, or
+        16 (GEMV_MAX_ROWS) when the layers' matrices are FP8: their products of more rows run on cuBLAS and the
+        weight-only kernel, and those steps were faster without PDL (thirty-fourth session, interleaved rounds:
+        24 rows 5.335 against 5.583 ms, 32 rows 5.465 against 5.885; 8 and 16 rows, all Triton GEMVs, 4.494 /
+        4.697 with PDL against 4.595 / 4.726 without; bench/results/fp8-rows-h200/decode-ab-fp8-pdl.json).
         `parallel_tails` (CUDA only; default on there): in decode steps the audio tail and head run on a
         second stream, concurrently with the text tail and head (they share nothing but their input), so the
         two chains of small kernels fill each other's gaps; the step (and a CUDA graph captured from it)
@@ -142,6 +147,9 @@ class FastForward:
                                                   cfg.num_attention_heads * cfg.head_dim))
         self.one_row = one_row if isinstance(self.ops, TritonOps) and gemv_fits else "cublas"
         self.pdl = resolve_pdl(pdl, device, isinstance(self.ops, TritonOps))
+        if pdl_max_rows is None:  # see the docstring's `pdl`
+            fp8_layers = isinstance(weights.shared[0].qkv, Fp8Weight)
+            pdl_max_rows = GEMV_MAX_ROWS if fp8_layers else 32
         self.pdl_max_rows = pdl_max_rows
         self.fused_rope = fused_rope
         self.float_logits = float_logits

@@ -2,8 +2,9 @@
 
 `quantize_weight(w)` turns a bf16 [N, K] matrix into `Fp8Weight` (scale = max |w[n, :]| / 448). `linear`
 is the one matrix product the fast path calls: plain `F.linear` for bf16 weights; for FP8 weights on
-CUDA a Triton weight-only GEMV for <= 16 rows (runtime/kernels/fp8_gemv.py) or `torch._scaled_mm`
-with per-row dynamic activation scales for larger batches; elsewhere (CPU) the weight is dequantized.
+CUDA a Triton weight-only GEMV for <= 16 rows (runtime/kernels/fp8_gemv.py), a weight-only Triton product for
+the 17-64-row products its table names (runtime/kernels/fp8_gemm.py), else `torch._scaled_mm` with per-row
+dynamic activation scales (quantized by runtime/kernels/fp8_act.py); elsewhere (CPU) the weight is dequantized.
 """
 from __future__ import annotations
 
@@ -54,9 +55,12 @@ def quantize_weight(w: torch.Tensor, chunk_rows: int = 8192) -> Fp8Weight:
     return Fp8Weight(q, scale)
 
 
-# How `_scaled_mm_linear` quantizes its activations: "triton" = one kernel (runtime/kernels/fp8_act.py), "torch"
-# = the eager ops (six to seven kernels, ~25 us per product on the H200); the same bits either way.
-OPTIONS: dict[str, str] = {"act_quant": "triton"}
+# "act_quant": how `_scaled_mm_linear` quantizes its activations: "triton" = one kernel
+# (runtime/kernels/fp8_act.py), "torch" = the eager ops (six to seven kernels, 15-57 us more per product on the
+# H200, bench/results/fp8-rows-h200/); the same bits either way. "weight_only": "table" = the products of 17-64
+# rows that runtime/kernels/fp8_gemm.py's table names go through that weight-only kernel, "off" = every product
+# of more than 16 rows through `torch._scaled_mm`.
+OPTIONS: dict[str, str] = {"act_quant": "triton", "weight_only": "table"}
 
 
 def quantize_activations(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,4 +97,10 @@ def linear(x: torch.Tensor, w: Weight, *, small_batch_kernel: str = "triton") ->
         from runtime.kernels.fp8_gemv import fp8_gemv
 
         return fp8_gemv(x.contiguous(), w.weight, w.scale)
+    if OPTIONS["weight_only"] == "table" and HAS_TRITON:
+        from runtime.kernels.fp8_gemm import fp8_gemm, weight_only_tiles
+
+        tiles = weight_only_tiles(x.shape[0], *w.weight.shape)
+        if tiles is not None:
+            return fp8_gemm(x.contiguous(), w.weight, w.scale, tiles)
     return _scaled_mm_linear(x, w)

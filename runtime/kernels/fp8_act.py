@@ -27,19 +27,26 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, BLOCK: tl.con
     row = tl.program_id(0)
     pdl_enter(USE_PDL)
     base = row.to(tl.int64) * K
-    live = row < M  # rows past M are padding: zeros
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + base + cols, mask=(cols < K) & live, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), TINY) * INV_FP8_MAX
-    for k0 in tl.static_range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        mask = cols < K
-        x = tl.load(x_ptr + base + cols, mask=mask & live, other=0.0).to(tl.float32)
-        tl.store(q_ptr + base + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
+    # rows past M (the padding) branch off whole: a row mask on the loads made the kernel 2-3x slower on the
+    # H200 (15.4 against 5.4 us for 24 rows padded to 32, K = 12288)
+    if row < M:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + base + cols, mask=cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), TINY) * INV_FP8_MAX
+        for k0 in tl.static_range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            mask = cols < K
+            x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + base + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+    else:
+        for k0 in tl.static_range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            tl.store(q_ptr + base + cols, tl.zeros([BLOCK], tl.float32).to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(s_ptr + row, tl.full((), TINY, tl.float32) * INV_FP8_MAX)  # a float32 product, as above
 
 
 def quantize_rows(x: torch.Tensor, rows: int, codes_dtype: torch.dtype = torch.float8_e4m3fn

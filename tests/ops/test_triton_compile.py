@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from runtime.kernels import elementwise, fp8_act, fp8_gemv, gemv, paged_attention
+from runtime.kernels import elementwise, fp8_act, fp8_gemm, fp8_gemv, gemv, paged_attention
 from vocoder.kernels import aa_snake, channel_bias, chunk_attention, flow_fused, frame_noise
 
 HOPPER, ADA = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 89, 32)
@@ -113,6 +113,13 @@ CASES = [
                                                       "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
      {"BLOCK_N": 32, "BLOCK_K": 256}),
     ("fp8_act_quantize", fp8_act._quantize_rows_kernel, FP8_ACT_SIG, {"K": 12288, "BLOCK": 2048}),
+    *[(f"fp8_weight_only[bm={bm},split={split}]", fp8_gemm._fp8_gemm_kernel,
+       {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*fp32" if split > 1 else "*bf16",
+        "M": "i32", "N": "i32"},
+       {"K": k, "K_SPLIT": k // split, "BM": bm, "BN": 64, "BK": 128, "PARTIAL": split > 1})
+      for bm, split, k in ((32, 4, 12288), (32, 1, 4096), (64, 4, 4096))],
+    ("fp8_weight_only_reduce", fp8_gemm._reduce_kernel,
+     {"part_ptr": "*fp32", "s_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32"}, {"SPLIT": 4, "BLOCK": 1024}),
     *[(f"flow_fused_linear[early_w={early},k={k}]", flow_fused._fused_linear_kernel, LIN_SIG,
        {"K": k, "HAS_LN": k == 256, "HAS_BIAS": True, "ACT": int(k == 256), "HAS_RES": k > 256, "IEEE": False,
         "BM": 16, "BN": 32, "BK": 256, "EARLY_W": early}) for early in (True, False) for k in (256, 1024)],

@@ -266,6 +266,13 @@ def test_fp8_scopes_and_bytes(model: MossSpeechForCausalLM) -> None:
         with_fp8(weights, "heads")
 
 
+def test_pdl_row_limit_is_sixteen_rows_for_fp8_layers_and_thirty_two_otherwise(model: MossSpeechForCausalLM) -> None:
+    weights = fuse_model_weights(model)
+    assert FastForward(weights, TorchOps()).pdl_max_rows == 32
+    assert FastForward(with_fp8(weights, "shared"), TorchOps()).pdl_max_rows == 16  # beyond: cuBLAS's FP8 products
+    assert FastForward(with_fp8(weights, "all"), TorchOps(), pdl_max_rows=8).pdl_max_rows == 8
+
+
 def test_quantize_model_in_place_releases_bf16_and_matches_with_fp8() -> None:
     reference = FastForward(with_fp8(fuse_model_weights(build_model(CONFIG, seed=3)), "layers"), TorchOps())
     model = build_model(CONFIG, seed=3)

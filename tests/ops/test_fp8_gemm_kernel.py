@@ -1,0 +1,47 @@
+"""The weight-only FP8 product for 17-64 rows (runtime/kernels/fp8_gemm.py) under Triton's CPU interpreter, and
+which products take it (runtime/fp8.py `linear`).
+
+Triton 3.6's interpreter multiplies bf16 tiles wrongly in `tl.dot` (the products are off by orders of
+magnitude, with float16 tiles they are right), so the kernel runs here on float16 activations: the math is
+the same, with the codes widened to float16 instead of bf16 (exact either way). bench/fp8_rows.py checks the
+bf16 launch on the GPU against a float32 product before timing it.
+"""
+from __future__ import annotations
+
+from runtime.kernels.fp8_gemm import TILES, weight_only_tiles
+
+SCRIPT = """
+import torch
+from runtime.fp8 import quantize_weight
+from runtime.kernels.fp8_gemm import fp8_gemm
+
+torch.manual_seed(0)
+# (rows, N, K, tiles): one tile with masked rows; rows over two tiles and masked channels; split K summed by
+# the second kernel with masked rows and channels
+for m, n, k, tiles in ((5, 96, 256, (16, 32, 64, 4, 2, 1)), (40, 80, 256, (32, 64, 128, 4, 2, 1)),
+                       (37, 72, 512, (16, 64, 64, 4, 2, 4))):
+    x = torch.randn(m, k).to(torch.float16)
+    q = quantize_weight(torch.randn(n, k) * 0.05)
+    got = fp8_gemm(x, q.weight, q.scale, tiles)
+    want = x.float() @ (q.weight.float() * q.scale[:, None]).t()
+    assert got.shape == (m, n) and got.dtype == torch.float16
+    # float32 sums in another order, then one rounding to float16: within an ulp of the float16 result
+    err = ((got.float() - want).abs() / (want.abs() + 1e-3)).max().item()
+    assert err < 2 ** -10, err
+    print(m, n, "ok")
+"""
+
+
+def test_weight_only_fp8_product_equals_the_dequantized_product(triton_interpreter) -> None:
+    assert triton_interpreter(SCRIPT).split() == ["5", "96", "ok", "40", "80", "ok", "37", "72", "ok"]
+
+
+def test_rows_pick_the_tables_bucket_and_others_stay_on_scaled_mm() -> None:
+    o = (4096, 4096)
+    assert weight_only_tiles(17, *o) == weight_only_tiles(32, *o) == TILES[(32, *o)]
+    assert weight_only_tiles(33, *o) == weight_only_tiles(64, *o) == TILES[(64, *o)]
+    assert weight_only_tiles(65, *o) is None  # more rows: torch._scaled_mm
+    assert weight_only_tiles(48, 6144, 4096) is None  # qkv at 33-64 rows: not in the table
+    assert weight_only_tiles(24, 151680, 4096) is None  # the text head: not swept
+    # every entry's tiles divide K evenly into its splits and tiles
+    assert all(k % (split * bk) == 0 and bm == bucket for (bucket, _, k), (bm, _, bk, _, _, split) in TILES.items())
