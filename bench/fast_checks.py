@@ -11,8 +11,10 @@ import math
 
 import torch
 
+from runtime import fp8
 from runtime.fast_ops import TorchOps, TritonOps, rope_tables, rope_then_attend
 from runtime.fp8 import linear, quantize_weight
+from runtime.kernels.fp8_gemm import weight_only_tiles
 from runtime.kv_cache import quantize_rows
 
 
@@ -304,6 +306,28 @@ def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]
         for kernel in ("triton", "scaled_mm"):
             d = _diff(linear(xx, w8, small_batch_kernel=kernel), want)
             out.append({"kernel": f"fp8_{kernel}(M={rows})", **d, "ok": d["rel_l2"] < 5e-2 and d["finite"]})
+    # more rows, as `linear` routes them: o through the weight-only kernel at 17-64 rows (its table), qkv and
+    # 96 rows through torch._scaled_mm with the one-kernel activation quantization; bf16 activations kept, the
+    # weight-only product is ~10x closer to the float32 one
+    w_o = quantize_weight(randn(4096, hidden, scale=0.02))
+    for rows in (24, 48, 96):
+        xx = randn(rows, hidden)
+        for name, w in (("o", w_o), ("qkv", w8)):
+            weight_only = weight_only_tiles(rows, *w.weight.shape) is not None
+            d = _diff(linear(xx, w), xx.float() @ w.dequantize(torch.float32).T)
+            path = "weight_only" if weight_only else "scaled_mm"
+            out.append({"kernel": f"fp8_{path}({name},M={rows})", **d,
+                        "ok": d["rel_l2"] < (5e-3 if weight_only else 5e-2) and d["finite"]})
+        quant = {}
+        for mode in ("torch", "triton"):
+            fp8.OPTIONS["act_quant"] = mode
+            try:
+                quant[mode] = fp8.quantize_activations(xx, -(-rows // 16) * 16)
+            finally:
+                fp8.OPTIONS["act_quant"] = "triton"
+        same = (torch.equal(quant["torch"][0].view(torch.uint8), quant["triton"][0].view(torch.uint8))
+                and torch.equal(quant["torch"][1], quant["triton"][1]))
+        out.append({"kernel": f"fp8_act_quant(M={rows})", "bit_equal_to_eager": same, "ok": same})
     return out
 
 
