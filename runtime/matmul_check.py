@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from runtime import fp8
 from runtime.fp8 import Fp8Weight, Weight
 
-# Row counts checked: a few decode batches and mixed / prefill steps (an uneven one among them).
-CHECK_ROWS = (2, 16, 64, 128, 513, 1024)
+# Row counts checked: a few decode batches and mixed / prefill steps (an uneven one among them). With FP8
+# weights each FP8 path runs: 2 and 16 the GEMV, 24 and 64 the weight-only product (o, down) and the padded
+# torch._scaled_mm, 128 and more torch._scaled_mm (runtime/fp8.py `linear`).
+CHECK_ROWS = (2, 16, 24, 64, 128, 513, 1024)
 # Relative error (max |y - ref| / max |ref|) above which a product is wrong. Rounding stays far below it
 # (bf16 ~3e-3, FP8 weights and activations ~3e-2 on random data); a product that did not run gives ~1 or NaN.
 TOLERANCE = 0.25
