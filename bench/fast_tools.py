@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +35,16 @@ def emit(result: dict, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def bench_result(bench: str, argv: list[str], device: torch.device, *, copy: bool = True, **fields: object) -> dict:
+    """A bench's JSON head: its name, the exact command (`python bench/<bench>.py ARGS`), the device, torch's
+    version and, with `copy`, the copy bandwidth measured now; then `fields`."""
+    head: dict = {"bench": bench, "command": shlex.join(["python", f"bench/{bench}.py", *argv]),
+                  "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if copy:
+        head["copy_gbps"] = round(copy_bandwidth_gbps(device), 1)
+    return head | fields
 
 
 def _summary(samples_ms: list[float]) -> dict:

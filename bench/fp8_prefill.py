@@ -11,7 +11,6 @@ bf16's (top-1 agreement, max |log p| difference). Each graph is then timed in in
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import DecodeSetup, emit, log, logit_compare, make_rows, plain_inputs, time_interleaved
+from bench.fast_tools import (
+    DecodeSetup,
+    bench_result,
+    emit,
+    log,
+    logit_compare,
+    make_rows,
+    plain_inputs,
+    time_interleaved,
+)
 from runtime import fp8
 from runtime.cuda_graph import PrefillGraphRunner
 from runtime.fast_forward import FastForward
@@ -39,8 +47,7 @@ def main(argv: list[str]) -> dict:
     rows = [int(r) for r in args.rows.split(",")]
     setup = DecodeSetup([1], context_len=max(rows), fp8=True)
     cache, bs = setup.cache, setup.cache.block_size
-    result: dict = {"bench": "fp8_prefill", "command": shlex.join(["python", "bench/fp8_prefill.py", *argv]),
-                    "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__, "cases": []}
+    result = bench_result("fp8_prefill", argv, device, copy=False, cases=[])
     ops = TritonOps()
     max_len = max(rows) + 64
     for n in rows:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call, log
+from bench.fast_tools import bench_result, emit, graph_us_per_call, log
 from runtime import fp8
 from runtime.fp8 import _scaled_mm_linear, quantize_weight
 from runtime.kernels.fp8_gemm import fp8_gemm
@@ -67,9 +66,7 @@ def main(argv: list[str]) -> dict:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device("cuda")
-    result: dict = {"bench": "fp8_rows", "command": shlex.join(["python", "bench/fp8_rows.py", *argv]),
-                    "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                    "copy_gbps": round(copy_bandwidth_gbps(device), 1), "products": [], "skipped": []}
+    result = bench_result("fp8_rows", argv, device, products=[], skipped=[])
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, graph_us_per_call
+from bench.fast_tools import bench_result, emit, graph_us_per_call
 from runtime.fp8 import quantize_weight
 from runtime.kernels.gemv import gemv
 
@@ -47,10 +46,8 @@ def main(argv: list[str]) -> dict:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device("cuda")
-    result: dict = {"bench": "l2_resident", "command": shlex.join(["python", "bench/l2_resident.py", *argv]),
-                    "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                    "copy_gbps": round(copy_bandwidth_gbps(device), 1),
-                    "l2_bytes": torch.cuda.get_device_properties(device).L2_cache_size, "products": []}
+    result = bench_result("l2_resident", argv, device, products=[],
+                          l2_bytes=torch.cuda.get_device_properties(device).L2_cache_size)
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         for rows in (int(r) for r in args.rows.split(",")):
