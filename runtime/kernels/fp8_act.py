@@ -2,7 +2,7 @@
 
 The eager form (x.float(), a pad to a multiple of 16 rows, abs, amax, clamp, a product for the scale, a
 division and a cast for the codes) ran as six to seven kernels before every FP8 product of more than 16 rows,
-about 15-45 us per product on the H200 (bench/results/fp8-rows-h200/), as much as the product itself at
+15-57 us more per product on the H200 (bench/results/fp8-rows-h200/), as much as the product itself at
 24-128 rows. This kernel gives the same bits:
 - scale = max(max|row|, 1e-12) x float32(1 / 448), a product, as PyTorch's CUDA division by a scalar
   computes it (by the reciprocal);

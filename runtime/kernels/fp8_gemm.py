@@ -90,10 +90,12 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-# (BM, BN, BK, warps, stages, SPLIT) per (row bucket, N, K) of the full model's matrices, where the sweep
-# (bench/results/fp8-rows-h200/fp8-rows-sweep.json: 24 and 64 rows, each product alone, cold L2) found this
-# kernel faster than `torch._scaled_mm` with its one-kernel activation quantization (fp8-rows-quant.json);
-# us per product, this kernel against `_scaled_mm`:
+# (BM, BN, BK, warps, stages, SPLIT) per (row bucket, N, K) of the full model's matrices: the sweep's best
+# tiles (bench/results/fp8-rows-h200/fp8-rows-sweep.json: 24 and 64 rows, each product alone, cold L2), for
+# the matrices where the kernel beat `torch._scaled_mm` with its one-kernel activation quantization both alone
+# (fp8-rows-17-64.json) and in the captured step (qkv and gate/up lost there at 24 and 32 rows:
+# decode-ab-weight-only-all-matrices.json against decode-ab-weight-only-od.json); us per product alone, this
+# kernel against `_scaled_mm`:
 TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int, int]] = {
     (32, 4096, 4096): (32, 64, 128, 4, 4, 4),  # o: 12.5 against 16.7
     (32, 4096, 12288): (32, 64, 128, 4, 4, 4),  # down: 26.6 against 39.0
