@@ -300,7 +300,7 @@ def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]
     _, _, _, randn = _setup(device)
     out: list[dict] = []
     w8 = quantize_weight(randn(6144, hidden, scale=0.02))
-    for rows in (1, 5):
+    for rows in (1, 2, 3, 5):  # 2-3: the multi-row CUDA-core GEMV for qkv (its table), 1 and 5: tensor cores
         xx = randn(rows, hidden)
         want = xx.float() @ w8.dequantize(torch.float32).T
         for kernel in ("triton", "scaled_mm"):

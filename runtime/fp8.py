@@ -2,7 +2,8 @@
 
 `quantize_weight(w)` turns a bf16 [N, K] matrix into `Fp8Weight` (scale = max |w[n, :]| / 448). `linear`
 is the one matrix product the fast path calls: plain `F.linear` for bf16 weights; for FP8 weights on
-CUDA a Triton weight-only GEMV for <= 16 rows (runtime/kernels/fp8_gemv.py), a weight-only Triton product for
+CUDA a Triton weight-only GEMV for <= 16 rows (runtime/kernels/fp8_gemv.py: on the CUDA cores for the 2-4-row
+products its table names, else on the tensor cores), a weight-only Triton product for
 the 17-64-row products its table names (runtime/kernels/fp8_gemm.py), else `torch._scaled_mm` with per-row
 dynamic activation scales (quantized by runtime/kernels/fp8_act.py); elsewhere (CPU) the weight is dequantized.
 """
@@ -57,9 +58,10 @@ def quantize_weight(w: torch.Tensor, chunk_rows: int = 8192) -> Fp8Weight:
 
 # "act_quant": how `_scaled_mm_linear` quantizes its activations: "triton" = one kernel
 # (runtime/kernels/fp8_act.py), "torch" = the eager ops (six to seven kernels, 15-57 us more per product on the
-# H200, bench/results/fp8-rows-h200/); the same bits either way. "weight_only": "table" = the products of 17-64
-# rows that runtime/kernels/fp8_gemm.py's table names go through that weight-only kernel, "off" = every product
-# of more than 16 rows through `torch._scaled_mm`.
+# H200, bench/results/fp8-rows-h200/); the same bits either way. "weight_only": "table" = the products of 2-4
+# rows that runtime/kernels/fp8_gemv.py's ROWS_TILES names go through its multi-row CUDA-core GEMV, and those
+# of 17-64 rows that runtime/kernels/fp8_gemm.py's table names through that weight-only kernel; "off" = 2-16
+# rows through fp8_gemv.py's tensor-core kernel, more through `torch._scaled_mm`.
 OPTIONS: dict[str, str] = {"act_quant": "triton", "weight_only": "table"}
 
 
@@ -94,8 +96,11 @@ def linear(x: torch.Tensor, w: Weight, *, small_batch_kernel: str = "triton") ->
     if x.device.type != "cuda":
         return F.linear(x, w.dequantize(x.dtype))
     if x.shape[0] <= GEMV_MAX_ROWS and small_batch_kernel == "triton" and HAS_TRITON and x.shape[1] % 512 == 0:
-        from runtime.kernels.fp8_gemv import fp8_gemv
+        from runtime.kernels.fp8_gemv import fp8_gemv, gemv_rows, rows_tiles
 
+        rows = rows_tiles(x.shape[0], *w.weight.shape) if OPTIONS["weight_only"] == "table" else None
+        if rows is not None:
+            return gemv_rows(x.contiguous(), w.weight, w.scale, rows)
         return fp8_gemv(x.contiguous(), w.weight, w.scale)
     if OPTIONS["weight_only"] == "table" and HAS_TRITON:
         from runtime.kernels.fp8_gemm import fp8_gemm, weight_only_tiles

@@ -58,3 +58,67 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Ten
 
     _fp8_gemv_kernel[grid](x, w, scale, out, m_rows, n_dim, k_dim, **pdl_args())
     return out
+
+
+# Two to four rows: a CUDA-core GEMV over every row (the tensor-core kernel above pads them to 16 and read its
+# weights at 1.3-2.7 TB/s there). Each weight tile [BLOCK_N, BLOCK_K] is read once and widened to float32,
+# multiplied with each row's x tile and summed per thread over its 16-value vectors (fold 2 of gemv.py);
+# the cross-thread sum runs once after the loop. The products grow with the rows, so it pays at 2 rows for
+# every layer matrix and at 3-4 rows only for qkv and o (bench/results/fp8-rows-h200/gemv-rows.json, each
+# product alone with cold L2, us against the tensor-core kernel): `ROWS_TILES` below.
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    nmask = n < N
+    tile = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
+    r_idx = tl.arange(0, ROWS)
+    VEC: tl.constexpr = 16
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // VEC], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BN, BK]
+        for r in tl.static_range(ROWS):
+            xr = tl.load(x_ptr + r * K + k0 + tile, mask=(tile < K) & (r < M), other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(w * xr[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
+            acc = tl.where((r_idx == r)[:, None, None], acc + part[None, :, :], acc)
+    out = tl.sum(acc, axis=2) * tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]  # [ROWS, BN]
+    rows = tl.arange(0, ROWS)
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & nmask[None, :])
+
+
+def gemv_rows(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, tiles: tuple[int, int, int]) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 8), w [N, K] e4m3, scale [N] -> [M, N] bf16; tiles = (BLOCK_N, BLOCK_K, warps)."""
+    m, k = x.shape
+    n = w.shape[0]
+    bn, bk, warps = tiles
+    rows = max(2, triton.next_power_of_2(m))
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    _gemv_rows_kernel[(triton.cdiv(n, bn),)](x, w, scale, out, m, n, K=k, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
+                                            num_warps=warps, num_stages=1, **pdl_args())
+    return out
+
+
+# (BLOCK_N, BLOCK_K, warps) per (row bucket, N, K): the sweep's best tiles where they beat the tensor-core
+# kernel alone; us per product, this kernel against it (the one-row GEMV of gemv.py in brackets)
+ROWS_TILES: dict[tuple[int, int, int], tuple[int, int, int]] = {
+    (2, 6144, 4096): (8, 1024, 4),  # qkv: 9.8 against 15.5 (8.8)
+    (2, 4096, 4096): (4, 1024, 4),  # o: 7.9 against 12.2 (6.7)
+    (2, 24576, 4096): (32, 256, 4),  # gate_up: 28.8 against 37.8 (25.6)
+    (2, 4096, 12288): (4, 1024, 4),  # down: 18.8 against 29.9 (14.7)
+    (4, 6144, 4096): (16, 512, 4),  # qkv: 14.5 against 16.0
+    (4, 4096, 4096): (8, 1024, 4),  # o: 10.0 against 12.2
+}
+
+
+def rows_tiles(m: int, n: int, k: int) -> tuple[int, int, int] | None:
+    """The table's tiles for an m-row product with an [n, k] FP8 weight (2 rows; 3-4 rows in the 4-row
+    bucket), or None where the tensor-core kernel runs."""
+    if not 2 <= m <= 4:
+        return None
+    return ROWS_TILES.get((2 if m == 2 else 4, n, k))

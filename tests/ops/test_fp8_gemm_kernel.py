@@ -1,5 +1,6 @@
-"""The weight-only FP8 product for 17-64 rows (runtime/kernels/fp8_gemm.py) under Triton's CPU interpreter, and
-which products take it (runtime/fp8.py `linear`).
+"""The weight-only FP8 products for 2-4 rows (runtime/kernels/fp8_gemv.py `gemv_rows`) and 17-64 rows
+(runtime/kernels/fp8_gemm.py) under Triton's CPU interpreter, and which products take them (runtime/fp8.py
+`linear`).
 
 Triton 3.6's interpreter multiplies bf16 tiles wrongly in `tl.dot` (the products are off by orders of
 magnitude, with float16 tiles they are right), so the kernel runs here on float16 activations: the math is
@@ -9,6 +10,7 @@ bf16 launch on the GPU against a float32 product before timing it.
 from __future__ import annotations
 
 from runtime.kernels.fp8_gemm import TILES, weight_only_tiles
+from runtime.kernels.fp8_gemv import ROWS_TILES, rows_tiles
 
 SCRIPT = """
 import torch
@@ -45,3 +47,35 @@ def test_rows_pick_the_tables_bucket_and_others_stay_on_scaled_mm() -> None:
     assert weight_only_tiles(24, 151680, 4096) is None  # the text head: not swept
     # every entry's tiles divide K evenly into its splits and tiles
     assert all(k % (split * bk) == 0 and bm == bucket for (bucket, _, k), (bm, _, bk, _, _, split) in TILES.items())
+
+
+ROWS_SCRIPT = """
+import torch
+from runtime.fp8 import quantize_weight
+from runtime.kernels.fp8_gemv import gemv_rows
+
+torch.manual_seed(0)
+# (rows, N, tiles): 2 rows; 3 rows in a 4-row tile (one masked); channels past N masked
+for m, n, tiles in ((2, 96, (32, 256, 4)), (3, 40, (16, 512, 4))):
+    x = torch.randn(m, 1024).to(torch.bfloat16)
+    q = quantize_weight(torch.randn(n, 1024) * 0.05)
+    got = gemv_rows(x, q.weight, q.scale, tiles)
+    want = x.float() @ (q.weight.float() * q.scale[:, None]).t()
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # float32 sums in another order, then one rounding to bf16: within a bf16 ulp of the result
+    err = ((got.float() - want).abs() / (want.abs() + 1e-2)).max().item()
+    assert err < 2 ** -7, err
+    print(m, n, "ok")
+"""
+
+
+def test_multi_row_gemv_equals_the_dequantized_product(triton_interpreter) -> None:
+    assert triton_interpreter(ROWS_SCRIPT).split() == ["2", "96", "ok", "3", "40", "ok"]
+
+
+def test_two_to_four_rows_pick_the_multi_row_gemv_where_its_table_says() -> None:
+    assert rows_tiles(2, 24576, 4096) == ROWS_TILES[(2, 24576, 4096)]
+    assert rows_tiles(3, 4096, 4096) == rows_tiles(4, 4096, 4096) == ROWS_TILES[(4, 4096, 4096)]
+    assert rows_tiles(3, 24576, 4096) is None  # gate/up at 3-4 rows: the tensor-core kernel
+    assert rows_tiles(1, 4096, 4096) is None and rows_tiles(5, 4096, 4096) is None
+    assert all(k % bk == 0 for (_, _, k), (_, bk, _) in ROWS_TILES.items())

@@ -118,6 +118,9 @@ CASES = [
         "M": "i32", "N": "i32"},
        {"K": k, "K_SPLIT": k // split, "BM": bm, "BN": 64, "BK": 128, "PARTIAL": split > 1})
       for bm, split, k in ((32, 4, 12288), (32, 1, 4096), (64, 4, 4096))],
+    *[(f"fp8_gemv_rows[rows={rows}]", fp8_gemv._gemv_rows_kernel,
+       {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32"},
+       {"K": 4096, "ROWS": rows, "BLOCK_N": bn, "BLOCK_K": bk}) for rows, bn, bk in ((2, 32, 256), (4, 8, 1024))],
     ("fp8_weight_only_reduce", fp8_gemm._reduce_kernel,
      {"part_ptr": "*fp32", "s_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32"}, {"SPLIT": 4, "BLOCK": 1024}),
     *[(f"flow_fused_linear[early_w={early},k={k}]", flow_fused._fused_linear_kernel, LIN_SIG,
