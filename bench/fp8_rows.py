@@ -29,6 +29,7 @@ from bench.fast_tools import bench_result, emit, graph_us_per_call, log
 from runtime import fp8
 from runtime.fp8 import _scaled_mm_linear, quantize_weight
 from runtime.kernels.fp8_gemm import fp8_gemm
+from runtime.kernels.fp8_gemv import fp8_gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "audio_head": (16512, 4096), "text_head": (151680, 4096)}
@@ -82,6 +83,10 @@ def main(argv: list[str]) -> dict:
             row: dict = {"matrix": name, "n": n, "k": k, "rows": m, "fp8_bytes": n * k}
             row["bf16_cublas_us"] = round(graph_us_per_call(
                 [functools.partial(F.linear, x, ws[i % COPIES]) for i in range(CALLS)]), 2)
+            if m <= 16:  # what such rows run on: the tensor-core kernel of runtime/kernels/fp8_gemv.py
+                row["fp8_gemv_us"] = round(graph_us_per_call(
+                    [functools.partial(fp8_gemv, x, qs[i % COPIES].weight, qs[i % COPIES].scale)
+                     for i in range(CALLS)]), 2)
             scaled = [functools.partial(_scaled_mm_linear, x, qs[i % COPIES]) for i in range(CALLS)]
             rows16 = -(-m // 16) * 16
             fp8.OPTIONS["act_quant"] = "torch"
@@ -117,7 +122,8 @@ def main(argv: list[str]) -> dict:
                 row["best"] = best
                 row["speedup_vs_bf16"] = round(row["bf16_cublas_us"] / best["us"], 3)
                 row["speedup_vs_scaled_mm"] = round(row["fp8_scaled_mm_us"] / best["us"], 3)
-            log(f"{name} m={m}: bf16 {row['bf16_cublas_us']} us, scaled_mm {row['fp8_scaled_mm_us']} us "
+            log(f"{name} m={m}: bf16 {row['bf16_cublas_us']} us, fp8_gemv {row.get('fp8_gemv_us')} us, "
+                f"scaled_mm {row['fp8_scaled_mm_us']} us "
                 f"(eager quantization {row['fp8_scaled_mm_eager_us']}), weight-only best {row.get('best')}")
             result["products"].append(row)
         del ws, qs, deq
