@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from bench.fast_tools import overridden
 from runtime import fp8
 from runtime.fast_ops import TorchOps, TritonOps, rope_tables, rope_then_attend
 from runtime.fp8 import linear, quantize_weight
@@ -318,17 +319,20 @@ def _check_fp8(device: torch.device, hidden: int = 4096, **_: int) -> list[dict]
             path = "weight_only" if weight_only else "scaled_mm"
             out.append({"kernel": f"fp8_{path}({name},M={rows})", **d,
                         "ok": d["rel_l2"] < (5e-3 if weight_only else 5e-2) and d["finite"]})
-        quant = {}
-        for mode in ("torch", "triton"):
-            fp8.OPTIONS["act_quant"] = mode
-            try:
-                quant[mode] = fp8.quantize_activations(xx, -(-rows // 16) * 16)
-            finally:
-                fp8.OPTIONS["act_quant"] = "triton"
-        same = (torch.equal(quant["torch"][0].view(torch.uint8), quant["triton"][0].view(torch.uint8))
-                and torch.equal(quant["torch"][1], quant["triton"][1]))
+        same = act_quant_bit_equal(xx)
         out.append({"kernel": f"fp8_act_quant(M={rows})", "bit_equal_to_eager": same, "ok": same})
     return out
+
+
+def act_quant_bit_equal(x: torch.Tensor) -> bool:
+    """Whether the one-kernel activation quantization of runtime/fp8.py (rows padded to 16, as
+    `_scaled_mm_linear` pads them) gives the eager ops' codes and scales, bit for bit."""
+    rows = -(-x.shape[0] // 16) * 16
+    with overridden(fp8.OPTIONS, act_quant="torch"):
+        eager = fp8.quantize_activations(x, rows)
+    with overridden(fp8.OPTIONS, act_quant="triton"):
+        kernel = fp8.quantize_activations(x, rows)
+    return torch.equal(eager[0].view(torch.uint8), kernel[0].view(torch.uint8)) and torch.equal(eager[1], kernel[1])
 
 
 def _check_gemv(device: torch.device, **shape: int) -> list[dict]:

@@ -1,14 +1,16 @@
 """Helpers of bench/fast_bench.py: timing, rows, block ids, step functions, kernel profiles, GEMV timings."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,9 @@ from runtime.kv_cache import KVCache
 from runtime.model import MossSpeechForCausalLM, split_rows
 
 Logits = tuple[torch.Tensor, torch.Tensor]
+# [N, K] of the full model's layer matrices and heads
+MATRIX_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+                 "audio_head": (16512, 4096), "text_head": (151680, 4096)}
 
 
 def log(msg: str) -> None:
@@ -45,6 +50,46 @@ def bench_result(bench: str, argv: list[str], device: torch.device, *, copy: boo
     if copy:
         head["copy_gbps"] = round(copy_bandwidth_gbps(device), 1)
     return head | fields
+
+
+@contextlib.contextmanager
+def overridden(options: dict[str, Any], **values: Any) -> Iterator[None]:
+    """Set keys of a module's options dict (runtime.fp8.OPTIONS, flow_fused.SPLIT_OPTIONS, ...) for the block,
+    then put the old values back."""
+    saved = {key: options[key] for key in values}
+    options.update(values)
+    try:
+        yield
+    finally:
+        options.update(saved)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, asserting the shape and that every value is finite."""
+    assert got.shape == want.shape and bool(torch.isfinite(got).all())
+    return (got.float() - want).abs().max().item() / want.abs().max().item()
+
+
+def sweep_tiles(tiles_list: list[tuple], calls_for: Callable[[tuple], list[Callable[[], torch.Tensor]]],
+                want: torch.Tensor, nbytes: int | None = None, tol: float = 1e-2) -> list[dict]:
+    """Each candidate's calls (`calls_for(tiles)`): the first one's output checked against `want` (relative
+    error under `tol`), then all timed back to back in one CUDA graph -> per candidate {"tiles", "us",
+    "rel_err"} (and "gbps" of `nbytes` per call), or {"tiles", "error"} for one that failed or did not build."""
+    tried = []
+    for tiles in tiles_list:
+        fns = calls_for(tiles)
+        try:
+            err = rel_err(fns[0](), want)
+            assert err < tol, err
+            us = graph_us_per_call(fns)
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is reported
+            tried.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        entry = {"tiles": tiles, "us": round(us, 2), "rel_err": round(err, 5)}
+        if nbytes is not None:
+            entry["gbps"] = round(nbytes / us / 1e3, 1)
+        tried.append(entry)
+    return tried
 
 
 def _summary(samples_ms: list[float]) -> dict:
@@ -252,8 +297,7 @@ def gemv_microbench(device: torch.device) -> list[dict]:
     from runtime.kernels.gemv import gemv
 
     out = []
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-              "text_head": (151680, 4096)}
+    shapes = {name: MATRIX_SHAPES[name] for name in ("qkv", "o", "gate_up", "down", "text_head")}
     for name, (n, k) in shapes.items():
         copies = 2 if n > 100000 else 4
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]

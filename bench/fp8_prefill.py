@@ -26,6 +26,7 @@ from bench.fast_tools import (
     log,
     logit_compare,
     make_rows,
+    overridden,
     plain_inputs,
     time_interleaved,
 )
@@ -58,13 +59,10 @@ def main(argv: list[str]) -> dict:
         runs, logits = {}, {}
         for name, weights, quant in (("bf16", "bf16", "triton"), ("fp8", "fp8", "triton"),
                                      ("fp8_eager_quant", "fp8", "torch")):
-            fp8.OPTIONS["act_quant"] = quant  # read while the graph is captured
-            try:
+            with overridden(fp8.OPTIONS, act_quant=quant):  # read while the graph is captured
                 runner = PrefillGraphRunner(FastForward(setup.weights[weights], ops), cache, max_model_len=max_len,
                                             buckets=[n])
                 runner.capture()
-            finally:
-                fp8.OPTIONS["act_quant"] = "triton"
             out = tuple(t.clone() for t in runner.run(tok, aud, pos, attn.slot_mapping, table_t, n))
             assert all(o.shape[0] == 1 and bool(torch.isfinite(o).all()) for o in out), name
             runs[name] = (runner, tok, aud, pos, attn.slot_mapping, table_t, n)

@@ -25,14 +25,22 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import bench_result, emit, graph_us_per_call, log
+from bench.fast_checks import act_quant_bit_equal
+from bench.fast_tools import (
+    MATRIX_SHAPES,
+    bench_result,
+    emit,
+    graph_us_per_call,
+    log,
+    overridden,
+    rel_err,
+    sweep_tiles,
+)
 from runtime import fp8
 from runtime.fp8 import _scaled_mm_linear, quantize_weight
 from runtime.kernels.fp8_gemm import fp8_gemm
 from runtime.kernels.fp8_gemv import fp8_gemv
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-          "audio_head": (16512, 4096), "text_head": (151680, 4096)}
 COPIES = 4
 CALLS = 16
 
@@ -51,12 +59,6 @@ def candidates(m: int, n: int, k: int) -> list[tuple[int, int, int, int, int, in
             (64, 256, 64, 8, 4, 1), (128, 128, 128, 8, 3, 1)]
 
 
-def check(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Relative max error, asserting shape and finiteness."""
-    assert got.shape == want.shape and bool(torch.isfinite(got).all())
-    return (got.float() - want).abs().max().item() / want.abs().max().item()
-
-
 def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="24,64,128,512")
@@ -70,7 +72,7 @@ def main(argv: list[str]) -> dict:
     result = bench_result("fp8_rows", argv, device, products=[], skipped=[])
     torch.manual_seed(0)
     for name in args.shapes.split(","):
-        n, k = SHAPES[name]
+        n, k = MATRIX_SHAPES[name]
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         qs = [quantize_weight(w) for w in ws]
         deq = qs[0].weight.float() * qs[0].scale[:, None]
@@ -88,33 +90,17 @@ def main(argv: list[str]) -> dict:
                     [functools.partial(fp8_gemv, x, qs[i % COPIES].weight, qs[i % COPIES].scale)
                      for i in range(CALLS)]), 2)
             scaled = [functools.partial(_scaled_mm_linear, x, qs[i % COPIES]) for i in range(CALLS)]
-            rows16 = -(-m // 16) * 16
-            fp8.OPTIONS["act_quant"] = "torch"
-            eager_q = fp8.quantize_activations(x, rows16)
-            fp8.OPTIONS["act_quant"] = "triton"
-            kernel_q = fp8.quantize_activations(x, rows16)
-            row["act_quant_bit_equal"] = (torch.equal(eager_q[0].view(torch.uint8), kernel_q[0].view(torch.uint8))
-                                          and torch.equal(eager_q[1], kernel_q[1]))
+            row["act_quant_bit_equal"] = act_quant_bit_equal(x)
             for kind, quant in (("fp8_scaled_mm", "triton"), ("fp8_scaled_mm_eager", "torch")):
-                fp8.OPTIONS["act_quant"] = quant  # read while the graph is captured
-                try:
-                    row[kind + "_rel_err"] = round(check(scaled[0](), want), 5)
+                with overridden(fp8.OPTIONS, act_quant=quant):  # read while the graph is captured
+                    row[kind + "_rel_err"] = round(rel_err(scaled[0](), want), 5)
                     row[kind + "_us"] = round(graph_us_per_call(scaled), 2)
-                finally:
-                    fp8.OPTIONS["act_quant"] = "triton"
-            tried = []
-            for tiles in candidates(m, n, k) if args.sweep else []:
-                fns = [functools.partial(fp8_gemm, x, qs[i % COPIES].weight, qs[i % COPIES].scale, tiles)
-                       for i in range(CALLS)]
-                try:
-                    err = check(fns[0](), want)
-                    assert err < 1e-2, err
-                    us = graph_us_per_call(fns)
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is reported
-                    tried.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    continue
-                tried.append({"tiles": tiles, "us": round(us, 2), "rel_err": round(err, 5),
-                              "gbps": round(n * k / us / 1e3, 1)})
+
+            def calls_for(tiles: tuple, x: torch.Tensor = x, qs: list = qs) -> list:
+                return [functools.partial(fp8_gemm, x, qs[i % COPIES].weight, qs[i % COPIES].scale, tiles)
+                        for i in range(CALLS)]
+
+            tried = sweep_tiles(candidates(m, n, k) if args.sweep else [], calls_for, want, nbytes=n * k)
             timed = [t for t in tried if "us" in t]
             row["candidates"] = tried
             if timed:

@@ -21,12 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import bench_result, emit, graph_us_per_call, log
+from bench.fast_tools import MATRIX_SHAPES, bench_result, emit, graph_us_per_call, log, sweep_tiles
 from runtime.fp8 import quantize_weight
 from runtime.kernels.fp8_gemv import fp8_gemv, gemv_rows
 from runtime.kernels.gemv import gemv
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 COPIES = 4
 CALLS = 16
 
@@ -41,7 +40,8 @@ def main(argv: list[str]) -> dict:
     device = torch.device("cuda")
     result = bench_result("gemv_rows", argv, device, products=[])
     torch.manual_seed(0)
-    for name, (n, k) in SHAPES.items():
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = MATRIX_SHAPES[name]
         qs = [quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02) for _ in range(COPIES)]
         deq = qs[0].weight.float() * qs[0].scale[:, None]
         x1 = torch.randn(1, k, device=device, dtype=torch.bfloat16)
@@ -54,18 +54,12 @@ def main(argv: list[str]) -> dict:
             row: dict = {"matrix": name, "n": n, "k": k, "rows": m, "one_row_gemv_us": round(one_row, 2),
                          "tensor_core_us": round(graph_us_per_call(
                              [functools.partial(fp8_gemv, x, q.weight, q.scale) for q in qs] * 4), 2)}
-            tried = []
-            for tiles in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)):
-                if k % tiles[1]:
-                    continue
-                fns = [functools.partial(gemv_rows, x, q.weight, q.scale, tiles) for q in qs] * 4
-                try:
-                    got = fns[0]()
-                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    assert got.shape == (m, n) and bool(torch.isfinite(got).all()) and err < 1e-2, err
-                    tried.append({"tiles": tiles, "us": round(graph_us_per_call(fns), 2), "rel_err": round(err, 5)})
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is reported
-                    tried.append({"tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+            tiles_list = [t for t in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)) if k % t[1] == 0]
+
+            def calls_for(tiles: tuple, x: torch.Tensor = x, qs: list = qs) -> list:
+                return [functools.partial(gemv_rows, x, q.weight, q.scale, tiles) for q in qs] * 4
+
+            tried = sweep_tiles(tiles_list, calls_for, want)
             timed = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
             row["best"] = timed[:3]
             row["candidates"] = tried

@@ -21,11 +21,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fast_tools import bench_result, emit, graph_us_per_call
+from bench.fast_tools import MATRIX_SHAPES, bench_result, emit, graph_us_per_call
 from runtime.fp8 import quantize_weight
 from runtime.kernels.gemv import gemv
 
-SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096)}
 COPIES = 8
 
 
@@ -48,7 +47,8 @@ def main(argv: list[str]) -> dict:
     device = torch.device("cuda")
     result = bench_result("l2_resident", argv, device, products=[],
                           l2_bytes=torch.cuda.get_device_properties(device).L2_cache_size)
-    for name, (n, k) in SHAPES.items():
+    for name in ("o", "qkv"):
+        n, k = MATRIX_SHAPES[name]
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import bench.vocoder as bench_vocoder
+from bench.fast_tools import overridden
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder
 from vocoder.aa_activation import FusedActivation1d, _snake_params
 
@@ -214,18 +215,6 @@ def check_flow_fusion(device: str) -> dict[str, float]:
                 worst[key] = max(worst.get(key, 0.0), float((value - ref[name]).abs().max()))
                 worst[f"{key}-ref_max_abs"] = max(worst.get(f"{key}-ref_max_abs", 0.0), float(ref[name].abs().max()))
     return worst
-
-
-@contextlib.contextmanager
-def overridden(options: dict[str, Any], **values: Any) -> Iterator[None]:
-    """Set keys of a kernel module's options dict (flow_fused.SPLIT_OPTIONS, LINEAR_OPTIONS) for the block,
-    then put the old values back."""
-    saved = {key: options[key] for key in values}
-    options.update(values)
-    try:
-        yield
-    finally:
-        options.update(saved)
 
 
 def time_flow_blocks(device: str, dtype: torch.dtype, rows_list: list[int]) -> dict[str, Any]:
