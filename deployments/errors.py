@@ -13,7 +13,12 @@ from pydantic import ValidationError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.responses import JSONResponse
 
-from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
+from runtime.errors import (
+    ContextLengthExceededError,
+    EngineOverloadedError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+)
 
 
 class ApiError(Exception):
@@ -93,6 +98,8 @@ def error_event(exc: BaseException, *, retry_after_s: float = 1.0) -> dict[str, 
         return exc.to_event()
     if isinstance(exc, EngineOverloadedError):
         return overloaded(str(exc), exc.retry_after_s).to_event()
+    if isinstance(exc, EngineUnhealthyError):  # this replica is being replaced: another one, or a retry, serves
+        return overloaded(f"server unavailable: {exc}", retry_after_s).to_event()
     if isinstance(exc, BackPressureError | DeploymentUnavailableError):  # Serve's own queues are full
         return overloaded(f"server over capacity: {exc}", retry_after_s).to_event()
     if isinstance(exc, ContextLengthExceededError):

@@ -61,7 +61,8 @@ def to_event(event: Any) -> dict[str, Any]:
 
 # (LLMMetrics counter, EngineStats field): the engine's lifetime totals, exported by their increase
 COUNTED_TOTALS = (("prefix_cache_query_tokens", "prefix_cache_queries"),
-                  ("prefix_cache_hit_tokens", "prefix_cache_hits"), ("preemptions", "num_preemptions"))
+                  ("prefix_cache_hit_tokens", "prefix_cache_hits"), ("preemptions", "num_preemptions"),
+                  ("step_failures", "num_step_failures"))
 
 
 class LLMServer:
@@ -121,6 +122,12 @@ class LLMServer:
             if aclose is not None:
                 await aclose()
 
+    def check_health(self) -> None:
+        """Serve's replica health check (every `health_check_period_s`): raises EngineUnhealthyError while the
+        engine can serve no more (a stopped step thread, a device error, failed steps in a row, a hung step), so
+        that Serve replaces this replica; the engine refuses new requests meanwhile."""
+        self._engine.check_health()
+
     def stats(self) -> dict[str, Any]:
         """Engine stats as a dict (for /admin/stats and tests)."""
         from runtime.device_memory import memory_stats
@@ -128,7 +135,7 @@ class LLMServer:
         stats, config = self._engine.stats(), self._engine.config
         return {**{name: getattr(stats, name) for name in (
             "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_free",
-            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")},
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_step_failures")},
             # what the cache holds and how many tokens fit (an FP8 cache holds ~1.9x a bf16 one's)
             "kv_cache_dtype": str(config.kv_dtype).removeprefix("torch."),
             "kv_capacity_tokens": stats.num_blocks_total * config.block_size,

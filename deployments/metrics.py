@@ -65,6 +65,7 @@ class LLMMetrics:
     prefix_cache_hit_tokens: Counter
     prefix_cache_query_tokens: Counter
     preemptions: Counter
+    step_failures: Counter
     time_to_first_code: Histogram
 
     @classmethod
@@ -84,6 +85,9 @@ class LLMMetrics:
             preemptions=Counter("moss_preemptions", description=(
                 "Running sequences preempted because the KV cache had no free block (their rows are computed "
                 "again when they are admitted again).")),
+            step_failures=Counter("moss_engine_step_failures", description=(
+                "Engine steps that raised; each failed every request in flight (the replica is replaced after "
+                "max_consecutive_step_failures in a row or one device error).")),
             time_to_first_code=Histogram(
                 "moss_time_to_first_code_seconds", boundaries=TTFA_BOUNDARIES,
                 description="Seconds from a request reaching the LLM deployment to its first audio codes leaving it."),

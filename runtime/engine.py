@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
 from runtime.device_memory import cap_device_memory, capped_free_bytes, indexed_cuda_device
-from runtime.errors import EngineError, InvalidRequestError
+from runtime.errors import EngineError, EngineUnhealthyError, InvalidRequestError
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_storage_dtype, num_blocks_for_budget
@@ -93,6 +93,12 @@ class EngineConfig:
     # Multiply each distinct matrix of the model at a few row counts and compare with float32 before serving;
     # a wrong product stops the engine (runtime/matmul_check.py). None: on CUDA only.
     check_matmuls: bool | None = None
+    # Health (`Engine.check_health`, which Serve's replica health check calls): the engine stops taking requests
+    # and reports itself unhealthy after this many failed steps in a row, after one step failed with a device
+    # error (a CUDA error poisons the process's context: every later step would fail too), or while one step
+    # has run longer than step_timeout_s (a hung kernel); Serve then replaces the replica.
+    max_consecutive_step_failures: int = 3
+    step_timeout_s: float = 60.0
     # Run the largest step the scheduler can form off the CUDA graphs (max_num_batched_tokens rows over up to
     # max_num_running sequences, all sampling) once before serving: its activations then sit reserved under
     # the memory cap, or the engine fails to start with EngineMemoryError naming the settings, instead of a
@@ -120,6 +126,10 @@ class EngineConfig:
             if torch.device(self.device).type != "cuda":
                 raise ValueError(f"memory_cap_bytes needs a CUDA device, got device {self.device!r}")
         kv_storage_dtype(self.kv_cache_dtype, torch.float32)  # validates it
+        if self.max_consecutive_step_failures < 1:
+            raise ValueError(f"max_consecutive_step_failures must be >= 1, got {self.max_consecutive_step_failures}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.pacing_lead_s is not None and not self.pacing_lead_s > 0:
             raise ValueError(f"pacing_lead_s must be > 0 or None, got {self.pacing_lead_s}")
         if self.fp8_scope is not None:
@@ -172,6 +182,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int = 0
+    num_step_failures: int = 0  # steps that raised (each failed every request in flight), lifetime
 
 
 @dataclass(frozen=True)
@@ -678,6 +689,16 @@ class EngineCore:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
 
 
+def is_device_error(exc: BaseException) -> bool:
+    """A failure of the device itself: a CUDA error (torch.AcceleratorError, or a Triton launch that reports
+    one), after which the process's CUDA context is unusable and every later step would fail too. Running out
+    of memory is not one: the next step may fit."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    text = str(exc)
+    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in text or "Triton Error [CUDA]" in text
+
+
 @dataclass
 class _Stream:
     """Where one request's events go: an asyncio queue owned by the caller's event loop."""
@@ -702,6 +723,12 @@ class Engine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._is_shut_down = False
+        # health (check_health): steps that raised since the last one that ran, all that ever raised, the first
+        # device error, and when the step now running began (monotonic; None between steps)
+        self._failed_in_a_row = 0
+        self._step_failures = 0
+        self._device_error: str | None = None
+        self._step_started: float | None = None
         self._sleep = asyncio.sleep  # how `generate` waits to batch codes (tests substitute it)
         self._thread = threading.Thread(target=self._run_loop, name="moss-engine-step", daemon=True)
         self._thread.start()
@@ -733,6 +760,9 @@ class Engine:
         with self._lock:
             if self._is_shut_down:
                 raise EngineError("the engine is shut down")
+            reason = self._unhealthy_reason()
+            if reason is not None:
+                raise EngineUnhealthyError(f"the engine cannot serve: {reason}")
             if request.request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
             self.core.add_request(request)
@@ -772,9 +802,33 @@ class Engine:
             self._deliver(self.core.abort(request_id))
 
     def stats(self) -> EngineStats:
-        """Queue lengths, block usage and prefix-cache counters."""
+        """Queue lengths, block usage, prefix-cache counters and failed steps."""
         with self._lock:
-            return self.core.stats()
+            return replace(self.core.stats(), num_step_failures=self._step_failures)
+
+    def check_health(self) -> None:
+        """Raise EngineUnhealthyError, saying why, when the engine can serve no more: its step thread has
+        stopped, a step failed with a device error, `max_consecutive_step_failures` steps in a row failed, or
+        the running step has run longer than `step_timeout_s`. New requests are refused meanwhile (the same
+        error); it does not heal, the replica is to be replaced."""
+        reason = self._unhealthy_reason()
+        if reason is not None:
+            raise EngineUnhealthyError(reason)
+
+    def _unhealthy_reason(self) -> str | None:
+        if self._is_shut_down:
+            return "the engine is shut down"
+        if not self._thread.is_alive():
+            return "the engine's step thread has stopped"
+        if self._device_error is not None:
+            return f"a step failed with a device error: {self._device_error}"
+        limit = self.config.max_consecutive_step_failures
+        if self._failed_in_a_row >= limit:
+            return f"{self._failed_in_a_row} steps in a row failed (max_consecutive_step_failures {limit})"
+        started = self._step_started
+        if started is not None and (running := time.monotonic() - started) > self.config.step_timeout_s:
+            return f"a step has run for {running:.0f} s (step_timeout_s {self.config.step_timeout_s:g})"
+        return None
 
     async def shutdown(self) -> None:
         """Stop the step thread; in-flight requests end with Finished("abort")."""
@@ -807,7 +861,21 @@ class Engine:
             except Exception as exc:  # a failed step must not leave streams hanging
                 logger.exception("engine step failed; failing every in-flight request")
                 with self._lock:
+                    self._step_started = None
+                    self._failed_in_a_row += 1
+                    self._step_failures += 1
+                    if self._device_error is None and is_device_error(exc):
+                        self._device_error = repr(exc)
                     self._deliver(self.core.fail_all(f"engine step failed: {exc!r}"))
+            except BaseException as exc:  # the thread ends (check_health says so): end every stream first
+                with self._lock:
+                    self._deliver(self.core.fail_all(f"engine step thread stopped: {exc!r}"))
+                raise
+
+    def _step_ran(self) -> None:
+        """A step's results are recorded (caller holds the lock)."""
+        self._step_started = None
+        self._failed_in_a_row = 0
 
     def _run_one_step(self) -> bool:
         """Schedule and record under the lock, forward without it; False once shut down."""
@@ -826,18 +894,22 @@ class Engine:
                 self._deliver(events)
                 is_idle = inp is None
         if self.core.async_scheduling and not is_idle:
+            self._step_started = time.monotonic()
             if launched is not None:
                 self.core.launch(launched)
             self.core.wait_in_flight()  # the GPU runs `launched` meanwhile
             with self._lock:
                 self._deliver(self.core.finish_step(launched))
+                self._step_ran()
             return True
         if is_idle:  # queue expiries only, or every stream is paced: sleep until one is due
             with self._lock:
                 due = self.core.scheduler.next_due_in()
             time.sleep(min(0.002, max(0.0005, due or 0.0)))  # a new request waits at most 2 ms
             return True
+        self._step_started = time.monotonic()
         sampled, step_s = self.core.run_model(inp)
         with self._lock:
             self._deliver(self.core.end_step(out, sampled, step_s))
+            self._step_ran()
         return True

@@ -1,7 +1,8 @@
 """Typed errors the engine raises for bad or unservable requests.
 
 The Serve edge maps them to HTTP: `InvalidRequestError` (and its subclass
-`ContextLengthExceededError`) -> 400, `EngineOverloadedError` -> 503 with `Retry-After`.
+`ContextLengthExceededError`) -> 400, `EngineOverloadedError` and `EngineUnhealthyError` -> 503 with
+`Retry-After`.
 """
 from __future__ import annotations
 
@@ -24,3 +25,9 @@ class EngineOverloadedError(EngineError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineUnhealthyError(EngineError):
+    """The engine can serve no more requests (`Engine.check_health` says why): its step thread stopped, a step
+    failed with a device error, too many steps failed in a row, or one step has run past its timeout. Serve's
+    health check raises it, and Serve replaces the replica."""

@@ -46,7 +46,7 @@ def test_dashboard_has_one_panel_per_operational_question() -> None:
         "Active streams", "Queue", "KV cache use", "Prefix-cache hit rate", "Replicas per deployment",
         "Errors by kind", "Requests by route and status", "Audio produced (seconds of audio per second)",
         "Vocoder batch size (p50 / p99)", "First audio by stage (p50)", "Vocoder step time by kind (p50 / p99)",
-        "KV cache preemptions per second"]
+        "KV cache preemptions per second", "Engine step failures per second"]
     for panel in dashboard["panels"]:
         ref_ids = [t["refId"] for t in panel["targets"]]
         assert len(ref_ids) == len(set(ref_ids)) >= 1, panel["title"]

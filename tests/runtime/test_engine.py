@@ -20,10 +20,17 @@ from runtime.engine import (
     Engine,
     EngineConfig,
     EngineCore,
+    EngineStats,
     default_seed,
+    is_device_error,
     num_kv_blocks,
 )
-from runtime.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
+from runtime.errors import (
+    ContextLengthExceededError,
+    EngineOverloadedError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+)
 from runtime.kv_cache import FP8_KV_DTYPE, kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
 from runtime.model_runner import ModelInput, RowFeed
@@ -511,6 +518,161 @@ def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpee
     assert failed == [Finished("error", 6, 0, 0, 0, "engine step failed: RuntimeError('boom')")]
     assert used == 0
     assert after[-1] == Finished("length", 6, 3, 3, 0)
+
+
+def failing_forward(engine: Engine, failures: list[BaseException]) -> None:
+    """The engine's forward raises the listed exceptions, one a step, then runs."""
+    forward = engine.core.runner.forward
+
+    def fail(inp: object) -> object:
+        if failures:
+            raise failures.pop(0)
+        return forward(inp)  # type: ignore[arg-type]
+
+    engine.core.runner.forward = fail  # type: ignore[method-assign]
+
+
+def test_failed_steps_in_a_row_make_the_engine_unhealthy(model: MossSpeechForCausalLM) -> None:
+    rows = prompt(random.Random(13), 6, audio_out=True)
+
+    async def main() -> tuple[list[str], list[str], EngineStats]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(max_consecutive_step_failures=2))
+        failing_forward(engine, [RuntimeError("boom"), RuntimeError("boom"), RuntimeError("boom"),
+                                 RuntimeError("boom")])
+        health, ends = [], []
+        for name in ("a", "b", "c"):
+            try:
+                events = [e async for e in engine.generate(GenerationRequest(name, rows, GREEDY, GREEDY,
+                                                                             max_new_tokens=3))]
+                ends.append(events[-1].reason)
+            except EngineUnhealthyError as exc:
+                ends.append(f"refused: {exc}")
+            try:
+                engine.check_health()
+                health.append("healthy")
+            except EngineUnhealthyError as exc:
+                health.append(str(exc))
+        stats = engine.stats()
+        await engine.shutdown()
+        return ends, health, stats
+
+    ends, health, stats = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    unhealthy = "2 steps in a row failed (max_consecutive_step_failures 2)"
+    assert ends == ["error", "error", f"refused: the engine cannot serve: {unhealthy}"]
+    assert health == ["healthy", unhealthy, unhealthy]
+    assert stats.num_step_failures == 2 and stats.num_blocks_used == 0
+
+
+def test_a_step_that_runs_clears_the_failures_in_a_row(model: MossSpeechForCausalLM) -> None:
+    rows = prompt(random.Random(14), 6, audio_out=True)
+
+    async def main() -> tuple[list[Event], EngineStats]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(max_consecutive_step_failures=2))
+        failing_forward(engine, [RuntimeError("boom")])
+        [e async for e in engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3))]
+        after = [e async for e in engine.generate(GenerationRequest("b", rows, GREEDY, GREEDY, max_new_tokens=3,
+                                                                    min_new_tokens=3))]
+        failing_forward(engine, [RuntimeError("boom")])
+        [e async for e in engine.generate(GenerationRequest("c", rows, GREEDY, GREEDY, max_new_tokens=3))]
+        engine.check_health()  # one failure since the last step that ran: below the limit of 2
+        stats = engine.stats()
+        await engine.shutdown()
+        return after, stats
+
+    after, stats = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert after[-1] == Finished("length", 6, 3, 3, 0)
+    assert stats.num_step_failures == 2
+
+
+def test_one_device_error_makes_the_engine_unhealthy(model: MossSpeechForCausalLM) -> None:
+    rows = prompt(random.Random(15), 6, audio_out=True)
+    error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    async def main() -> tuple[Event, str]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(max_consecutive_step_failures=5))
+        failing_forward(engine, [error])
+        events = [e async for e in engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3))]
+        with pytest.raises(EngineUnhealthyError) as raised:
+            engine.check_health()
+        await engine.shutdown()
+        return events[-1], str(raised.value)
+
+    end, reason = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert end.reason == "error"
+    assert reason == f"a step failed with a device error: {error!r}"
+
+
+def test_device_errors_are_told_from_a_steps_bad_luck() -> None:
+    assert is_device_error(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert is_device_error(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
+    assert not is_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_device_error(RuntimeError("boom"))
+
+
+def test_a_hung_step_makes_the_engine_unhealthy_until_it_ends(model: MossSpeechForCausalLM) -> None:
+    rows = prompt(random.Random(16), 6, audio_out=True)
+    release = threading.Event()
+
+    async def main() -> tuple[str, str, Event]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(step_timeout_s=0.05))
+        forward = engine.core.runner.forward
+
+        def hang_once(inp: object) -> object:
+            release.wait(30)
+            engine.core.runner.forward = forward  # type: ignore[method-assign]
+            return forward(inp)  # type: ignore[arg-type]
+
+        engine.core.runner.forward = hang_once  # type: ignore[method-assign]
+        stream = engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3, min_new_tokens=3))
+        first = asyncio.ensure_future(anext(stream))
+        reason = ""
+        while not reason:  # the step hangs until released: unhealthy once it has run past 0.05 s
+            await asyncio.sleep(0.01)
+            try:
+                engine.check_health()
+            except EngineUnhealthyError as exc:
+                reason = str(exc)
+        with pytest.raises(EngineUnhealthyError) as refused:
+            await anext(engine.generate(GenerationRequest("b", rows, GREEDY, GREEDY, max_new_tokens=3)))
+        release.set()
+        events = [await first] + [e async for e in stream]
+        engine.check_health()  # the step ended: healthy again
+        await engine.shutdown()
+        return reason, str(refused.value), events[-1]
+
+    reason, refused, end = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert reason.startswith("a step has run for ") and reason.endswith(" s (step_timeout_s 0.05)")
+    assert refused.startswith("the engine cannot serve: a step has run for ")
+    assert end == Finished("length", 6, 3, 3, 0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies
+def test_a_stopped_step_thread_ends_every_stream_and_the_engine_is_unhealthy(model: MossSpeechForCausalLM) -> None:
+    rows = prompt(random.Random(17), 6, audio_out=True)
+
+    class Stop(BaseException):
+        pass
+
+    async def main() -> tuple[Event, str]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        failing_forward(engine, [Stop("stop")])
+        events = [e async for e in engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3))]
+        await asyncio.to_thread(engine._thread.join, 10)
+        with pytest.raises(EngineUnhealthyError) as raised:
+            engine.check_health()
+        await engine.shutdown()
+        return events[-1], str(raised.value)
+
+    end, reason = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert end == Finished("error", 6, 0, 0, 0, "engine step thread stopped: Stop('stop')")
+    assert reason == "the engine's step thread has stopped"
+
+
+def test_health_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_consecutive_step_failures must be >= 1, got 0"):
+        EngineConfig(max_consecutive_step_failures=0)
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0, got 0"):
+        EngineConfig(step_timeout_s=0)
 
 
 @pytest.mark.parametrize("async_steps", ASYNC_STEPS)

@@ -115,9 +115,9 @@ def test_engine_and_vocoder_gauges_match_the_server_state(http: httpx.Client) ->
     llm = stats["llm"]
     assert llm["prefix_cache_hits"] > 0
     assert llm["device_memory"] is None and stats["vocoder"]["device_memory"] is None  # CPU replicas
-    # the CPU engine's cache holds float32 rows, 16 tokens a block, and nothing was preempted
-    assert (llm["kv_cache_dtype"], llm["kv_capacity_tokens"], llm["num_preemptions"]) == (
-        "float32", 16 * llm["num_blocks_total"], 0)
+    # the CPU engine's cache holds float32 rows, 16 tokens a block; nothing was preempted, no step failed
+    assert (llm["kv_cache_dtype"], llm["kv_capacity_tokens"], llm["num_preemptions"], llm["num_step_failures"]) == (
+        "float32", 16 * llm["num_blocks_total"], 0, 0)
     expected = {
         "ray_moss_kv_blocks_used": 0, "ray_moss_kv_blocks_free": llm["num_blocks_total"],
         "ray_moss_queued_requests": 0, "ray_moss_active_streams": 0,
@@ -170,21 +170,24 @@ def test_llm_counters_grow_by_the_engine_totals_increase() -> None:
         def inc(self, value: float) -> None:
             self.calls.append(("inc", value))
 
-    totals = iter([(10, 4, 0), (10, 4, 3), (30, 12, 3), (30, 12, 5)])  # (queried, hits, preemptions)
+    # (queried, hits, preemptions, failed steps)
+    totals = iter([(10, 4, 0, 0), (10, 4, 3, 1), (30, 12, 3, 1), (30, 12, 5, 3)])
     server = object.__new__(LLMServer)
     server._metrics = LLMMetrics(**{f.name: Recorder() for f in dataclasses.fields(LLMMetrics)})
-    server._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+    server._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0, "num_step_failures": 0}
 
     def stats() -> EngineStats:
-        queries, hits, preemptions = next(totals)
+        queries, hits, preemptions, failures = next(totals)
         return EngineStats(num_running=2, num_waiting=1, num_blocks_total=8, num_blocks_used=5, num_blocks_free=3,
-                           prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions)
+                           prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions,
+                           num_step_failures=failures)
 
     server._engine = SimpleNamespace(stats=stats)
     for _ in range(4):
         server._refresh_metrics()
     m = server._metrics
     assert m.preemptions.calls == [("inc", 3), ("inc", 2)]
+    assert m.step_failures.calls == [("inc", 1), ("inc", 2)]
     assert m.prefix_cache_query_tokens.calls == [("inc", 10), ("inc", 20)]
     assert m.prefix_cache_hit_tokens.calls == [("inc", 4), ("inc", 8)]
     assert m.prefix_cache_hit_rate.calls == [("set", 0.4)] * 4

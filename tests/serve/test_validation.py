@@ -147,3 +147,25 @@ def test_error_response_is_openai_shaped_with_retry_after() -> None:
 
     event = error_event(BackPressureError(num_queued_requests=9, max_queued_requests=8), retry_after_s=2.0)
     assert (event["status"], event["code"], event["retry_after_s"]) == (503, "server_overloaded", 2.0)
+
+
+def test_an_unhealthy_engine_is_a_503_and_fails_the_replicas_health_check() -> None:
+    from types import SimpleNamespace
+
+    from deployments.errors import error_event
+    from deployments.llm_server import LLMServer
+    from runtime.errors import EngineUnhealthyError
+
+    event = error_event(EngineUnhealthyError("the engine cannot serve: a step has run for 61 s"), retry_after_s=2.0)
+    assert (event["status"], event["code"], event["retry_after_s"], event["message"]) == (
+        503, "server_overloaded", 2.0, "server unavailable: the engine cannot serve: a step has run for 61 s")
+
+    def unhealthy() -> None:
+        raise EngineUnhealthyError("3 steps in a row failed (max_consecutive_step_failures 3)")
+
+    server = object.__new__(LLMServer)
+    server._engine = SimpleNamespace(check_health=unhealthy)
+    with pytest.raises(EngineUnhealthyError, match="3 steps in a row failed"):
+        server.check_health()
+    server._engine = SimpleNamespace(check_health=lambda: None)
+    server.check_health()
