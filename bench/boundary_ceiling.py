@@ -7,7 +7,7 @@ A decode step at B streams reads, in order, per layer instance (32 shared + 4 te
 the QKV weights, the attention's KV (B x (context + 1) keys and values), o's weights, the add+RMSNorm
 rows, gate/up's weights, the SiLU-mul rows, down's weights, the second add+RMSNorm's rows; then both heads.
 This bench reads exactly those byte counts, phase by phase, from distinct ranges of one buffer (no
-arithmetic beyond a sum), in five ways, each captured in one CUDA graph:
+arithmetic beyond a sum), in six ways, each captured in one CUDA graph:
 - `kernels`: one launch per phase (the step's structure: 369 kernels), no PDL;
 - `kernels_pdl`: the same under programmatic dependent launch, each kernel waiting for its predecessor
   before its first load (the engine's kernels under PDL);
@@ -17,6 +17,8 @@ arithmetic beyond a sum), in five ways, each captured in one CUDA graph:
 - `persistent`: one kernel whose programs are all resident at once (checked from the compiled kernel's
   registers and shared memory), a grid-wide barrier between phases (`_grid_barrier`: group counters, then
   a phase counter that every program polls);
+- `persistent_prefetch`: the same, each program loading its first chunk of the next phase before it waits
+  at the barrier;
 - `one_read`: one kernel reading all the bytes as one phase (the roofline of this reader).
 Every variant's per-phase sums are checked against the buffer's (small integers, so float32 sums are
 exact) before it is timed, and again from its graph; the persistent kernel's barrier counters are checked
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fast_tools import MATRIX_SHAPES, bench_result, emit, log, time_interleaved
 
 HIDDEN, INTER, KV_HEADS, HEAD_DIM, LAYERS = 4096, 12288, 8, 128, 40
-PLAIN, PDL_START, PDL_END, PERSISTENT = 0, 1, 2, 3
+PLAIN, PDL_START, PDL_END, PERSISTENT, PERSISTENT_PREFETCH = 0, 1, 2, 3, 4
 
 
 def step_phases(batch: int, context: int) -> list[tuple[str, int]]:
@@ -81,10 +83,16 @@ def _stream_kernel(buf_ptr, starts_ptr, chunks_ptr, out_ptr, bar_ptr, grp_ptr, f
     """Sum phases first .. first + num_phases - 1 of `buf`: program pid takes chunks pid, pid + grid, ...,
     UNROLL of them loaded before they are added; out[phase, pid] = the program's sum (float32 per lane,
     exact for the buffer's small integers; int64 across lanes). MODE: PLAIN, PDL_START (wait before the first
-    load), PDL_END (wait before returning), PERSISTENT (a grid barrier after every phase but the last)."""
+    load), PDL_END (wait before returning), PERSISTENT (a grid barrier after every phase but the last),
+    PERSISTENT_PREFETCH (as PERSISTENT, each program loading its first chunk of the next phase before it
+    waits at the barrier, as a persistent step would load the next matrix's first weight tile)."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
+    PREFETCH: tl.constexpr = MODE == 4
+    pre = tl.zeros([BLOCK], buf_ptr.dtype.element_ty)  # the prefetched chunk, widened after the barrier
+    if PREFETCH:
+        pre = _chunk(buf_ptr, starts_ptr, chunks_ptr, first, pid, offs, BLOCK)
     if MODE == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -92,20 +100,34 @@ def _stream_kernel(buf_ptr, starts_ptr, chunks_ptr, out_ptr, bar_ptr, grp_ptr, f
         tl.extra.cuda.gdc_launch_dependents()
     for i in range(num_phases):
         p = first + i
-        start = tl.load(starts_ptr + p)
+        start = tl.multiple_of(tl.load(starts_ptr + p), BLOCK)  # phases start on whole chunks: 16-byte loads
         n = tl.load(chunks_ptr + p)
         acc = tl.zeros([BLOCK], tl.float32)
-        for c in range(pid, n, grid * UNROLL):
+        c0 = pid
+        if PREFETCH:
+            acc += pre.to(tl.float32)
+            c0 = pid + grid
+        for c in range(c0, n, grid * UNROLL):
             for j in tl.static_range(UNROLL):
                 cj = c + j * grid
                 acc += tl.load(buf_ptr + start + cj.to(tl.int64) * BLOCK + offs, mask=(offs < BLOCK) & (cj < n),
                                other=0.0).to(tl.float32)
         tl.store(out_ptr + p * MAX_PROGS + pid, tl.sum(acc.to(tl.int64), axis=0))
-        if MODE == 3:  # noqa: SIM102 - a constexpr test apart from the runtime one
+        if MODE >= 3:  # noqa: SIM102 - a constexpr test apart from the runtime one
             if i + 1 < num_phases:
+                if PREFETCH:
+                    pre = _chunk(buf_ptr, starts_ptr, chunks_ptr, p + 1, pid, offs, BLOCK)
                 _grid_barrier(bar_ptr + p, grp_ptr + p * GROUPS, flag_ptr, pid, grid, spin_cap, GROUPS)
     if MODE == 2:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _chunk(buf_ptr, starts_ptr, chunks_ptr, p, pid, offs, BLOCK: tl.constexpr):
+    """Chunk `pid` of phase p as loaded (zeros past the phase's end)."""
+    start = tl.multiple_of(tl.load(starts_ptr + p), BLOCK)
+    n = tl.load(chunks_ptr + p)
+    return tl.load(buf_ptr + start + pid.to(tl.int64) * BLOCK + offs, mask=(offs < BLOCK) & (pid < n), other=0.0)
 
 
 @triton.jit
@@ -166,10 +188,10 @@ class Streamer:
             return _stream_kernel.warmup(*args, grid=(grid,), **options)
         return _stream_kernel[(grid,)](*args, **options)
 
-    def co_resident(self) -> dict:
-        """Whether the persistent kernel's programs all fit the SMs at once (its grid barrier needs that):
+    def co_resident(self, mode: int) -> dict:
+        """Whether a persistent kernel's programs all fit the SMs at once (its grid barrier needs that):
         programs per SM allowed by warps, registers and shared memory, from the compiled kernel."""
-        compiled = self._launch(self.max_progs, self.starts, self.chunks, self.out, 0, self.num_phases, PERSISTENT,
+        compiled = self._launch(self.max_progs, self.starts, self.chunks, self.out, 0, self.num_phases, mode,
                                 warmup=True)
         compiled._init_handles()  # loads the module; sets n_regs
         regs, smem = compiled.n_regs, compiled.metadata.shared
@@ -181,10 +203,10 @@ class Streamer:
         for p, n in enumerate(self.chunk_list):
             self._launch(min(n, self.max_progs), self.starts, self.chunks, self.out, p, 1, mode)
 
-    def persistent(self) -> None:
+    def persistent(self, mode: int = PERSISTENT) -> None:
         self.bar.zero_()
         self.grp.zero_()
-        self._launch(self.max_progs, self.starts, self.chunks, self.out, 0, self.num_phases, PERSISTENT)
+        self._launch(self.max_progs, self.starts, self.chunks, self.out, 0, self.num_phases, mode)
 
     def one_read(self) -> None:
         self._launch(self.max_progs, self.all_starts, self.all_chunks, self.all_out, 0, 1, PLAIN)
@@ -192,7 +214,7 @@ class Streamer:
     def variants(self) -> dict:
         return {"kernels": lambda: self.per_phase(PLAIN), "kernels_pdl": lambda: self.per_phase(PDL_START),
                 "kernels_pdl_early": lambda: self.per_phase(PDL_END), "persistent": self.persistent,
-                "one_read": self.one_read}
+                "persistent_prefetch": lambda: self.persistent(PERSISTENT_PREFETCH), "one_read": self.one_read}
 
 
 def fill(buf: torch.Tensor, piece: int = 1 << 28) -> None:
@@ -223,7 +245,7 @@ def check(s: Streamer, name: str, fn, want: list[int]) -> dict:
         got = s.out.sum(dim=1).tolist()
         ok = got == want
     report = {"sums_equal": ok}
-    if name == "persistent":
+    if name.startswith("persistent"):
         report["barrier_counts_ok"] = (s.bar[:-1].tolist() == [s.groups] * (s.num_phases - 1)
                                        and s.grp.view(-1, s.groups)[:-1].sum(dim=1).tolist()
                                        == [s.max_progs] * (s.num_phases - 1))
@@ -237,10 +259,12 @@ def time_launch(buf: torch.Tensor, phases: list[tuple[str, int]], launch: tuple[
     """Every variant with one reader launch: checked, captured, timed in interleaved rounds, checked again
     from its graph. The persistent kernel only where all its programs fit the SMs at once."""
     s = Streamer(buf, phases, *launch)
-    fit = s.co_resident()
+    fit = {name: s.co_resident(mode) for name, mode in (("persistent", PERSISTENT),
+                                                        ("persistent_prefetch", PERSISTENT_PREFETCH))}
     fns = s.variants()
-    if not fit["ok"]:
-        del fns["persistent"]
+    for name, got in fit.items():
+        if not got["ok"]:
+            del fns[name]
     want = expected_sums(s)
     checks = {name: check(s, name, fn, want) for name, fn in fns.items()}
     graphs = {}
@@ -268,7 +292,7 @@ def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64,128")
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--launches", default="8192,8,1,2,1,8;1024,2,1,12,4,16;1024,2,1,8,4,16;2048,4,1,8,2,16",
+    p.add_argument("--launches", default="8192,8,1,2,1,8;8192,8,1,2,1,16;4096,4,1,4,1,16;8192,8,1,1,1,4",
                    help="reader launches, ';'-separated: " + ",".join(LAUNCH_FIELDS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
