@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime.errors import is_device_error
+
 END = None  # put on a stream's queue after its last PCM chunk
 POLICIES = ("deadline", "fifo")
 YIELDS = ("off", "first_chunk", "newcomer")  # `background_yield` settings
@@ -67,6 +69,11 @@ logger = logging.getLogger(__name__)
 
 class VocoderStepError(RuntimeError):
     """Put on a stream's queue (then nothing more) when a vocoder call carrying the stream failed."""
+
+
+class VocoderUnhealthyError(RuntimeError):
+    """The replica's vocoder can serve no more (`VocoderBatcher.health_problem`); raised by the deployment's
+    health check, so that Serve replaces the replica."""
 
 
 class BatchedStream:
@@ -158,6 +165,10 @@ class VocoderBatcher:
         self._fast_task: asyncio.Task | None = None
         self.num_open_sessions = 0
         self.num_steps = 0
+        # health: the first device error a vocoder call raised, and when the call now running on each lane
+        # began (monotonic, set in the worker thread)
+        self.device_error: str | None = None
+        self._busy_since: dict[int, float] = {}
 
     @property
     def num_streams(self) -> int:
@@ -173,7 +184,27 @@ class VocoderBatcher:
 
     async def _call(self, fn: Callable[..., Any], *args: Any, lane: int = 0) -> Any:
         executor = self._fast_executor if lane else self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+        def timed() -> Any:
+            self._busy_since[lane] = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                del self._busy_since[lane]
+
+        return await asyncio.get_running_loop().run_in_executor(executor, timed)
+
+    def health_problem(self, call_timeout_s: float) -> str | None:
+        """Why this replica's vocoder can serve no more, or None: a call failed with a device error (a CUDA
+        error leaves the process's context unusable), or a call has run longer than `call_timeout_s` (a hung
+        kernel)."""
+        if self.device_error is not None:
+            return f"a vocoder call failed with a device error: {self.device_error}"
+        now = time.monotonic()
+        for lane, since in list(self._busy_since.items()):
+            if now - since > call_timeout_s:
+                return f"a vocoder call on lane {lane} has run for {now - since:.0f} s (limit {call_timeout_s:g})"
+        return None
 
     def _wake_all(self) -> None:
         self._wake.set()
@@ -237,6 +268,8 @@ class VocoderBatcher:
 
     def _fail(self, streams: Sequence[BatchedStream], exc: BaseException) -> None:
         """End `streams` with a VocoderStepError; their sessions are closed by the next round."""
+        if self.device_error is None and is_device_error(exc):
+            self.device_error = repr(exc)
         error = VocoderStepError(f"vocoder step failed: {exc!r}")
         for stream in streams:
             if stream in self._streams:

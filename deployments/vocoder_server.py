@@ -19,13 +19,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepError
+from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepError, VocoderUnhealthyError
 from deployments.errors import error_event, internal_error
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
 from deployments.timeline import stamp_codes
 
 logger = logging.getLogger("ray.serve")
+# the longest a vocoder call (a step of every batched stream, a finish, an open) may run before the replica's
+# health check calls it hung (steps take milliseconds; the warm-up runs before serving, outside the batcher)
+VOCODER_CALL_TIMEOUT_S = 60.0
 
 
 class VocoderServer:
@@ -61,6 +64,13 @@ class VocoderServer:
         if kind != "finish":
             self._metrics.batch_size.observe(num_streams)
             self._batch_sizes.add(num_streams)
+
+    def check_health(self) -> None:
+        """Serve's replica health check: raises VocoderUnhealthyError after a vocoder call failed with a device
+        error, or while one has run longer than VOCODER_CALL_TIMEOUT_S, so that Serve replaces the replica."""
+        problem = self._batcher.health_problem(VOCODER_CALL_TIMEOUT_S)
+        if problem is not None:
+            raise VocoderUnhealthyError(problem)
 
     def voices(self) -> list[str]:
         """Names of the voices this replica can speak with."""

@@ -23,7 +23,7 @@ from torch import nn
 from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
 from runtime.device_memory import cap_device_memory, capped_free_bytes, indexed_cuda_device
-from runtime.errors import EngineError, EngineUnhealthyError, InvalidRequestError
+from runtime.errors import EngineError, EngineUnhealthyError, InvalidRequestError, is_device_error
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_storage_dtype, num_blocks_for_budget
@@ -687,16 +687,6 @@ class EngineCore:
         validate_request(request, self.model_config.vocab_size, self.model_config.audio_vocab_size)
         if request.request_id in self.scheduler.seqs:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
-
-
-def is_device_error(exc: BaseException) -> bool:
-    """A failure of the device itself: a CUDA error (torch.AcceleratorError, or a Triton launch that reports
-    one), after which the process's CUDA context is unusable and every later step would fail too. Running out
-    of memory is not one: the next step may fit."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    text = str(exc)
-    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in text or "Triton Error [CUDA]" in text
 
 
 @dataclass

@@ -22,7 +22,6 @@ from runtime.engine import (
     EngineCore,
     EngineStats,
     default_seed,
-    is_device_error,
     num_kv_blocks,
 )
 from runtime.errors import (
@@ -30,6 +29,7 @@ from runtime.errors import (
     EngineOverloadedError,
     EngineUnhealthyError,
     InvalidRequestError,
+    is_device_error,
 )
 from runtime.kv_cache import FP8_KV_DTYPE, kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model

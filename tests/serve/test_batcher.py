@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 
@@ -357,6 +358,9 @@ def test_a_failing_step_fails_its_streams_and_the_loop_serves_the_next_ones() ->
         assert sorted(vocoder.closed) == ["v-1", "v-2"]  # both failed sessions were closed
         batcher.close(a)  # the server's cleanup after the error: a no-op now
         assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
+        # a CUDA error: the replica's health check fails from now on (Serve replaces it)
+        assert batcher.health_problem(60.0) == (
+            "a vocoder call failed with a device error: RuntimeError('CUDA error: an illegal memory access')")
         await batcher.shutdown()
 
     asyncio.run(main())
@@ -375,6 +379,7 @@ def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_t
         batcher.push(a, [1, 2, 3, 4])
         error = await a.out.get()
         assert isinstance(error, VocoderStepError) and "KeyError('chunk schedule')" in str(error)
+        assert batcher.health_problem(60.0) is None  # a bug, not the device: the replica stays healthy
         del vocoder.next_chunk_codes
         b = await batcher.open("v", seed=2)
         batcher.push(b, [5, 6, 7])
@@ -707,3 +712,58 @@ def test_fast_lane_on_the_tiny_vocoder_gives_the_one_lane_audio() -> None:
         assert len(a) == len(b) == len(codes) * SAMPLES_PER_CODE
         assert float(np.abs(a - b).max()) < 1e-5
     assert "fast-first" in kinds and laned.num_open_sessions == 0
+
+
+class HangingVocoder(ChunkVocoder):
+    """ChunkVocoder whose first step blocks until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def step(self, work: list[tuple[Session, Sequence[int]]], **options: object) -> list[np.ndarray]:
+        self.release.wait(30)
+        return super().step(work, **options)
+
+
+def test_a_hung_vocoder_call_fails_the_health_check_until_it_returns() -> None:
+    async def main() -> tuple[str | None, str | None, list[float]]:
+        vocoder = HangingVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
+        a = await batcher.open("v", seed=1)
+        batcher.push(a, [1, 2, 3, 4, 5])
+        batcher.end(a)
+        problem = None
+        while problem is None:  # the step hangs until released
+            await asyncio.sleep(0.01)
+            problem = batcher.health_problem(0.05)
+        vocoder.release.set()
+        samples = await drain(a.out)
+        after = batcher.health_problem(0.05)
+        await batcher.shutdown()
+        return problem, after, samples
+
+    problem, after, samples = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert problem.startswith("a vocoder call on lane 0 has run for ") and problem.endswith(" s (limit 0.05)")
+    assert after is None
+    assert samples == [float(x) for x in (1, 2, 3, 4, 5) for _ in range(SAMPLES)]
+
+
+def test_the_vocoder_replicas_health_check_raises_the_batchers_problem() -> None:
+    from types import SimpleNamespace
+
+    from deployments.batcher import VocoderUnhealthyError
+    from deployments.vocoder_server import VOCODER_CALL_TIMEOUT_S, VocoderServer
+
+    limits: list[float] = []
+
+    def problem(limit: float) -> str | None:
+        limits.append(limit)
+        return "a vocoder call failed with a device error: AcceleratorError('CUDA error')" if len(limits) > 1 else None
+
+    server = object.__new__(VocoderServer)
+    server._batcher = SimpleNamespace(health_problem=problem)
+    server.check_health()
+    with pytest.raises(VocoderUnhealthyError, match="device error"):
+        server.check_health()
+    assert limits == [VOCODER_CALL_TIMEOUT_S] * 2
