@@ -1,5 +1,6 @@
-"""Ops checks on the running tiny service: policy-driven autoscaling, and the dashboard's and the metrics
-view's metric names against what the service really exports."""
+"""Ops checks on the running tiny service: policy-driven autoscaling, an LLM replica replaced after its
+health check fails, and the dashboard's and the metrics view's metric names against what the service really
+exports."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ from deployments.monitor import (
 
 REPO = Path(__file__).resolve().parents[2]
 OPS_APP, OPS_ROUTE = "ops-autoscale", "/ops"
+HEALTH_APP, HEALTH_ROUTE = "ops-health", "/ops-health"
 SPEECH = {"model": "moss-speech", "voice": "default", "response_format": "pcm", "seed": 7}
 
 
@@ -50,11 +52,24 @@ def autoscaled_app_args() -> dict[str, Any]:
     return args
 
 
-def running_llm_replicas() -> int:
+def llm_replica_states(app: str = OPS_APP) -> dict[str, int]:
     from ray import serve
 
-    states = serve.status().applications[OPS_APP].deployments["LLMServer"].replica_states
-    return int(states.get("RUNNING", 0))
+    return dict(serve.status().applications[app].deployments["LLMServer"].replica_states)
+
+
+def running_llm_replicas() -> int:
+    return int(llm_replica_states().get("RUNNING", 0))
+
+
+def speech_payload(text: str, tokens: int) -> dict[str, Any]:
+    """What the ingress hands the vocoder deployment for a speech request of exactly `tokens` tokens."""
+    from deployments.validation import Limits, speech_request
+
+    limits = Limits(served_model_name="moss-speech", voices=["default"], max_input_chars=2000,
+                    max_new_tokens_limit=3000, default_max_new_tokens=64)
+    body = json.dumps({**SPEECH, "input": text, "max_new_tokens": tokens, "min_new_tokens": tokens}).encode()
+    return speech_request(body, limits)[1]
 
 
 @pytest.fixture()
@@ -89,15 +104,9 @@ def test_llm_replicas_rise_under_queue_pressure_and_fall_back_after_it() -> None
         # route prefix other than "/".
         from ray import serve
 
-        from deployments.validation import Limits, speech_request
-
-        limits = Limits(served_model_name="moss-speech", voices=["default"], max_input_chars=2000,
-                        max_new_tokens_limit=3000, default_max_new_tokens=64)
-        body = json.dumps({**SPEECH, "input": "Scale me up, please.", "max_new_tokens": 60,
-                           "min_new_tokens": 60}).encode()
         vocoder = serve.get_deployment_handle("VocoderServer", app_name=OPS_APP)
         while not stop.is_set():
-            _, payload = speech_request(body, limits)
+            payload = speech_payload("Scale me up, please.", 60)
             events = list(vocoder.synthesize.options(stream=True).remote(payload))
             failures.extend(str(e) for e in events if e.get("type") == "error")
 
@@ -162,3 +171,51 @@ def test_every_dashboard_query_names_an_exported_metric_and_the_view_counts_our_
     assert summary["requests"] == {"speech 200": 2.0, "speech 400": 1.0}
     assert summary["prefix_cache_hit_rate"] is not None and summary["prefix_cache_hit_rate"] > 0
     assert summarize(after)["replicas"]["moss/LLMServer"]["healthy"] == 1
+
+
+@pytest.fixture()
+def fragile_app(serve_base_url: str) -> Iterator[None]:
+    """A second application whose engine calls any step running longer than 1 us hung, and whose LLM replica
+    Serve checks every second: its health check fails whenever it lands inside a step."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    args = serve_harness.app_args("tiny")
+    args["engine"]["step_timeout_s"] = 1e-6
+    args["llm_options"] = {"num_cpus": 0.25, "health_check_period_s": 1, "health_check_timeout_s": 10}
+    args["vocoder_options"] = {"num_cpus": 0.25}
+    args["ingress_options"] = {"num_cpus": 0.1}
+    serve.run(build_app(args), name=HEALTH_APP, route_prefix=HEALTH_ROUTE)
+    yield
+    serve.delete(HEALTH_APP)
+
+
+@pytest.mark.usefixtures("fragile_app")
+def test_an_llm_replica_whose_health_check_fails_is_replaced() -> None:
+    from ray import serve
+
+    llm = serve.get_deployment_handle("LLMServer", app_name=HEALTH_APP)
+    vocoder = serve.get_deployment_handle("VocoderServer", app_name=HEALTH_APP)
+    assert llm_replica_states(HEALTH_APP) == {"RUNNING": 1}
+    # A long unpaced stream (1400 tokens: the test cache holds 1632 rows) keeps the engine inside a step nearly
+    # all the time, so Serve soon sees three failed checks in a row.
+    events: list[dict[str, Any]] = []
+    streaming = threading.Thread(target=lambda: events.extend(
+        vocoder.synthesize.options(stream=True).remote(speech_payload("Keep the engine busy.", 1400))), daemon=True)
+    streaming.start()
+    seen: list[dict[str, int]] = []
+
+    def replaced() -> bool:
+        states = llm_replica_states(HEALTH_APP)
+        if not seen or seen[-1] != states:
+            seen.append(states)
+        return len(seen) > 1 and states == {"RUNNING": 1}
+
+    serve_harness.wait_until(replaced, timeout_s=120, interval_s=0.1, what="the LLM replica to be replaced",
+                             last=lambda: seen)
+    streaming.join(timeout=60)
+    assert not streaming.is_alive()
+    # the killed replica's stream ended with an error event (not a hang), and the new replica has served nothing
+    assert events and events[-1]["type"] == "error", events[-1:]
+    assert llm.stats.remote().result()["prefix_cache_queries"] == 0
