@@ -8,12 +8,12 @@ the QKV weights, the attention's KV (B x (context + 1) keys and values), o's wei
 rows, gate/up's weights, the SiLU-mul rows, down's weights, the second add+RMSNorm's rows; then both heads.
 This bench reads exactly those byte counts, phase by phase, from distinct ranges of one buffer (no
 arithmetic beyond a sum), in six ways, each captured in one CUDA graph:
-- `kernels`: one launch per phase (the step's structure: 369 kernels), no PDL;
+- `kernels`: one launch per phase (322; the engine's step launches 369 with its split-K reductions, the
+  embedding and the tails on two streams), no PDL;
 - `kernels_pdl`: the same under programmatic dependent launch, each kernel waiting for its predecessor
   before its first load (the engine's kernels under PDL);
 - `kernels_pdl_early`: each kernel streams its phase first and waits for its predecessor only before it
-  ends: every phase's bytes may stream while the one before finishes (weights read across the boundary,
-  the most PDL could give);
+  ends: every phase's bytes may stream while the one before finishes (weights read across the boundary);
 - `persistent`: one kernel whose programs are all resident at once (checked from the compiled kernel's
   registers and shared memory), a grid-wide barrier between phases (`_grid_barrier`: group counters, then
   a phase counter that every program polls);

@@ -800,7 +800,7 @@ class Engine:
         """Raise EngineUnhealthyError, saying why, when the engine can serve no more: its step thread has
         stopped, a step failed with a device error, `max_consecutive_step_failures` steps in a row failed, or
         the running step has run longer than `step_timeout_s`. New requests are refused meanwhile (the same
-        error); it does not heal, the replica is to be replaced."""
+        error). Only the last heals (when the step ends); the others last until the replica is replaced."""
         reason = self._unhealthy_reason()
         if reason is not None:
             raise EngineUnhealthyError(reason)
