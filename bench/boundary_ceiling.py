@@ -76,6 +76,12 @@ def phase_table(phases: list[tuple[str, int]], block: int) -> tuple[list[int], l
     return starts, chunks
 
 
+def elements(phases: list[tuple[str, int]], block: int) -> int:
+    """bf16 elements the phases take, laid end to end in whole chunks."""
+    starts, chunks = phase_table(phases, block)
+    return starts[-1] + chunks[-1] * block
+
+
 @triton.jit
 def _stream_kernel(buf_ptr, starts_ptr, chunks_ptr, out_ptr, bar_ptr, grp_ptr, flag_ptr, first, num_phases, spin_cap,
                    MAX_PROGS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr, GROUPS: tl.constexpr,
@@ -156,7 +162,7 @@ class Streamer:
     """The buffer, its phase table and the launches of each variant."""
 
     def __init__(self, buf: torch.Tensor, phases: list[tuple[str, int]], block: int, warps: int, stages: int,
-                 per_sm: int, unroll: int, groups: int, sms: int | None = None) -> None:
+                 per_sm: int, unroll: int, groups: int) -> None:
         dev = buf.device
         self.buf, self.block, self.warps, self.stages, self.unroll, self.groups = (
             buf, block, warps, stages, unroll, groups)
@@ -165,10 +171,8 @@ class Streamer:
         self.starts = torch.tensor(starts, dtype=torch.int64, device=dev)
         self.chunks = torch.tensor(chunks, dtype=torch.int32, device=dev)
         self.chunk_list = chunks
-        if sms is None:
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.sms = sms
-        self.max_progs = sms * per_sm
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.max_progs = self.sms * per_sm
         self.num_phases = len(phases)
         self.out = torch.zeros(self.num_phases, self.max_progs, dtype=torch.int64, device=dev)
         self.bar = torch.zeros(self.num_phases, dtype=torch.int32, device=dev)
@@ -302,8 +306,7 @@ def main(argv: list[str]) -> dict:
     result = bench_result("boundary_ceiling", argv, device, context=args.context, rows=[])
     batches = [int(b) for b in args.batches.split(",")]
     launches = [tuple(int(v) for v in item.split(",")) for item in args.launches.split(";")]
-    most = max(sum(-(-b // (2 * launch[0])) * launch[0] for _, b in step_phases(max(batches), args.context))
-               for launch in launches)
+    most = max(elements(step_phases(max(batches), args.context), launch[0]) for launch in launches)
     buf = torch.empty(most, dtype=torch.bfloat16, device=device)
     fill(buf)
     log(f"buffer {buf.numel() * 2 / 1e9:.2f} GB")

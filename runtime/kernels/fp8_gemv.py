@@ -87,9 +87,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, ROWS:
             part = tl.sum(tl.reshape(w * xr[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
             acc = tl.where((r_idx == r)[:, None, None], acc + part[None, :, :], acc)
     out = tl.sum(acc, axis=2) * tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]  # [ROWS, BN]
-    rows = tl.arange(0, ROWS)
-    tl.store(out_ptr + rows[:, None] * N + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None] & nmask[None, :])
+    tl.store(out_ptr + r_idx[:, None] * N + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(r_idx < M)[:, None] & nmask[None, :])
 
 
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, tiles: tuple[int, int, int]) -> torch.Tensor:

@@ -493,20 +493,24 @@ def test_async_stream_matches_reference(model: MossSpeechForCausalLM, async_step
     assert events[-1] == Finished("length", 12, 8, 8, 0)
 
 
+def failing_forward(engine: Engine, failures: list[BaseException]) -> None:
+    """The engine's forward raises the listed exceptions, one a step, then runs."""
+    forward = engine.core.runner.forward
+
+    def fail(inp: object) -> object:
+        if failures:
+            raise failures.pop(0)
+        return forward(inp)  # type: ignore[arg-type]
+
+    engine.core.runner.forward = fail  # type: ignore[method-assign]
+
+
 def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpeechForCausalLM) -> None:
     rows = prompt(random.Random(12), 6, audio_out=True)
 
     async def main() -> tuple[list[Event], list[Event], int]:
         engine = Engine(model, Tokenizer.tiny(), engine_config())
-        forward = engine.core.runner.forward
-        failures = [RuntimeError("boom")]
-
-        def fail_once(inp: object) -> object:
-            if failures:
-                raise failures.pop()
-            return forward(inp)  # type: ignore[arg-type]
-
-        engine.core.runner.forward = fail_once  # type: ignore[method-assign]
+        failing_forward(engine, [RuntimeError("boom")])
         failed = [e async for e in engine.generate(GenerationRequest("f", rows, GREEDY, GREEDY, max_new_tokens=3))]
         used = engine.stats().num_blocks_used
         again = GenerationRequest("g", rows, GREEDY, GREEDY, max_new_tokens=3, min_new_tokens=3)
@@ -518,18 +522,6 @@ def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpee
     assert failed == [Finished("error", 6, 0, 0, 0, "engine step failed: RuntimeError('boom')")]
     assert used == 0
     assert after[-1] == Finished("length", 6, 3, 3, 0)
-
-
-def failing_forward(engine: Engine, failures: list[BaseException]) -> None:
-    """The engine's forward raises the listed exceptions, one a step, then runs."""
-    forward = engine.core.runner.forward
-
-    def fail(inp: object) -> object:
-        if failures:
-            raise failures.pop(0)
-        return forward(inp)  # type: ignore[arg-type]
-
-    engine.core.runner.forward = fail  # type: ignore[method-assign]
 
 
 def test_failed_steps_in_a_row_make_the_engine_unhealthy(model: MossSpeechForCausalLM) -> None:
