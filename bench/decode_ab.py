@@ -48,8 +48,7 @@ from runtime.kernels import paged_attention as attn_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows", "attn_max_parts", "attn_split_two_below")
-BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts",
-                "attn_merge_last", "late_key")
+BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
@@ -63,9 +62,7 @@ KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (at
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
                   "attn_launch": (attn_mod.OPTIONS, "launch"), "fp8_act_quant": (fp8_mod.OPTIONS, "act_quant"),
-                  "fp8_weight_only": (fp8_mod.OPTIONS, "weight_only"),
-                  "gemv_resident": (gemv_mod.OPTIONS, "resident"),
-                  "attn_merge_last": (attn_mod.OPTIONS, "merge_last")}
+                  "fp8_weight_only": (fp8_mod.OPTIONS, "weight_only")}
 
 
 def skipping_ops(names: list[str]) -> TritonOps:

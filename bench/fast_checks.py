@@ -205,18 +205,7 @@ def _check_decode_rope(device: torch.device, heads: int = 32, kv: int = 8, dim: 
                     "vs_torch": vs_torch, "k_cache_vs_unfused": k_vs, "v_cache_vs_unfused": v_vs,
                     "ok": vs_triton["rel_l2"] < 1e-3 and k_vs["rel_l2"] < 1e-3 and v_vs["max_abs_diff"] == 0.0
                     and vs_torch["rel_l2"] < 2e-2 and vs_torch["finite"]})
-    # the new key scored and stored by the merge kernel (`late_key`, split keys): the same K/V bits in the
-    # cache; the output rounds the new key's softmax weight once less (float32, not bf16, times its value)
-    for parts in (4, 16):
-        caches = {name: (kc.clone(), vc.clone()) for name in ("late", "triton")}
-        late = fast.decode_attention_rope(qkv, *rope, *caches["late"], tables, seq_lens, parts, heads, 1e-6,
-                                          late_key=True)
-        unfused = rope_then_attend(fast, qkv, *rope, *caches["triton"], tables, seq_lens, parts, heads, 1e-6)
-        vs_triton = _diff(late, unfused)
-        same_cache = all(torch.equal(caches["late"][i], caches["triton"][i]) for i in (0, 1))
-        out.append({"kernel": f"decode_attention_rope(late_key, parts={parts})", "vs_unfused_triton": vs_triton,
-                    "caches_equal": same_cache,
-                    "ok": same_cache and vs_triton["rel_l2"] < 1e-2 and vs_triton["finite"]})
+
     return out
 
 
@@ -361,14 +350,6 @@ def _check_gemv(device: torch.device, **shape: int) -> list[dict]:
                 label = f"fold={mode}, " + ("" if prologue == "loop" else f"prologue={prologue}, ")
                 for c in _check_gemv_mode(device, **shape):
                     out.append(c | {"kernel": c["kernel"].replace("gemv(", f"gemv({label}", 1)})
-        # the whole-slice kernel (OPTIONS["resident"]) on the same products where its shapes allow (K a power
-        # of two: not the SiLU·mul one, which runs the table's kernel here too)
-        hidden = shape.get("hidden", 4096)
-        gemv_mod.OPTIONS.update(fold="table", prologue="auto",
-                                resident=f"2:3072:{hidden}:16:16:0+1:3072:{hidden}:16:8:1+1:256:1024:16:8:0")
-        assert gemv_mod.resident_tile(2, 3072, hidden) == (16, 16, 0)
-        for c in _check_gemv_mode(device, **shape):
-            out.append(c | {"kernel": c["kernel"].replace("gemv(", "gemv(resident, ", 1)})
     finally:
         gemv_mod.OPTIONS.update(before)
     return out

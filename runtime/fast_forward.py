@@ -87,7 +87,7 @@ class FastForward:
         self, weights: FusedWeights, ops: TorchOps | TritonOps | None = None, *, fp8_small_batch: str = "triton",
         one_row: str | None = None, pdl: str = "auto", pdl_max_rows: int | None = None,
         parallel_tails: bool | None = None,
-        fused_rope: bool = True, float_logits: bool = False, late_key: bool = False,
+        fused_rope: bool = True, float_logits: bool = False,
     ) -> None:
         """`one_row`: how one-row (1-stream decode) steps multiply (CUDA + Triton only; see ONE_ROW_MODES):
         "cublas" = cuBLAS + separate fused ops; "gemv" = the Triton GEMV with norms / residual / SiLU
@@ -152,7 +152,6 @@ class FastForward:
             pdl_max_rows = GEMV_MAX_ROWS if fp8_layers else 32
         self.pdl_max_rows = pdl_max_rows
         self.fused_rope = fused_rope
-        self.late_key = late_key
         self.float_logits = float_logits
         on_cuda = torch.device(device).type == "cuda"
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
@@ -228,12 +227,10 @@ class FastForward:
         k_cache, v_cache = kv_cache.k[layer.layer_idx], kv_cache.v[layer.layer_idx]  # [blocks, bs, KV, D]
         scales = kv_cache.scales(layer.layer_idx)  # an FP8 cache's k_scale, v_scale; else none
         rope = (layer.q_norm, layer.k_norm, self.cos, self.sin, step.positions, step.slot_mapping)
-        fused = self.fused_rope and step.num_parts <= FUSED_ROPE_MAX_PARTS
-        late = self.late_key and step.num_parts > 1 and not store_only and not scales
-        if step.max_query_len == 1 and (fused or late):
+        if step.max_query_len == 1 and self.fused_rope and step.num_parts <= FUSED_ROPE_MAX_PARTS:
             return ops.decode_attention_rope(qkv, *rope, k_cache, v_cache, step.block_tables, step.seq_lens,
                                              step.num_parts, cfg.num_attention_heads, cfg.rms_norm_eps,
-                                             store_only=store_only, late_key=late and not fused, **scales)
+                                             store_only=store_only, **scales)
         q = ops.qk_norm_rope_store(qkv, *rope, k_cache, v_cache, cfg.num_attention_heads,
                                    cfg.num_key_value_heads, cfg.rms_norm_eps, **scales)  # [N, H, D]
         if store_only:

@@ -167,11 +167,10 @@ def rope_then_attend(
     ops: Any, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
-    eps: float, *, store_only: bool = False, late_key: bool = False, **scales: torch.Tensor | None,
+    eps: float, *, store_only: bool = False, **scales: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """`decode_attention_rope` as two of `ops`'s ops: q/k norm + RoPE + K/V store, then decode attention
-    (`store_only`: the first alone, -> None). `scales`: `k_scale`, `v_scale` of an FP8 cache. `late_key`
-    (where the Triton kernel scores the new key in its merge instead) computes the same function here."""
+    (`store_only`: the first alone, -> None). `scales`: `k_scale`, `v_scale` of an FP8 cache."""
     q = ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, k_cache,
                                v_cache, num_heads, k_cache.shape[2], eps, **scales)
     if store_only:

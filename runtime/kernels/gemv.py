@@ -71,9 +71,7 @@ TILES = {
 # "whole" for FP8, the faster of the three for each in the captured one-stream step (same-process A/B, six
 # interleaved rounds, medians: bf16 4.527 / 4.582 / 4.477 ms, FP8 2.738 / 2.727 / 2.838 ms for loop /
 # whole / whole_w; logits identical: bench/results/gemv-prologue-h200/).
-# "resident": which matrices' programs load their whole weight slice before the PDL wait
-# (`_gemv_resident_kernel`): "off", "table" (RESIDENT), or "E:N:K:BLOCK_N:WARPS:EARLY" entries joined by "+".
-OPTIONS: dict[str, int | str] = {"fold": "table", "prologue": "auto", "resident": "off"}
+OPTIONS: dict[str, int | str] = {"fold": "table", "prologue": "auto"}
 PROLOGUES = ("loop", "whole", "whole_w", "auto")
 MAX_WHOLE_K = 8192
 
@@ -103,31 +101,6 @@ TILES_FOLD = {
     (1, 151680, 4096): (32, 512, 4, 2),
     (1, 16512, 4096): (32, 512, 8, 2),
 }
-
-
-# (BLOCK_N, warps) per (weight bytes per element, N, K) for `_gemv_resident_kernel` under
-# OPTIONS["resident"] "table".
-RESIDENT: dict[tuple[int, int, int], tuple[int, int, int]] = {(1, 4096, 4096): (16, 8, 0)}
-
-
-def resident_tile(elem_bytes: int, n: int, k: int) -> tuple[int, int, int] | None:
-    """(BLOCK_N, warps, early) of the whole-slice kernel for an [n, k] weight under OPTIONS["resident"], or
-    None."""
-    mode = OPTIONS["resident"]
-    if mode == "off":
-        return None
-    if mode == "table":
-        table = RESIDENT
-    else:
-        entries = [tuple(int(v) for v in item.split(":")) for item in str(mode).split("+")]
-        if any(len(e) != 6 for e in entries):
-            raise ValueError(f"OPTIONS['resident'] must be 'off', 'table' or E:N:K:BLOCK_N:WARPS:EARLY[+...], "
-                             f"got {mode!r}")
-        table = {e[:3]: e[3:] for e in entries}
-    tile = table.get((elem_bytes, n, k))
-    if tile is None or n % tile[0] or k & (k - 1):
-        return None
-    return tile
 
 
 def tiles() -> dict[tuple[int, int, int], tuple[int, ...]]:
@@ -255,36 +228,6 @@ def _gemv_kernel(
     tl.store(out_ptr + n, out.to(act_ty).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.jit
-def _gemv_resident_kernel(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, eps, K: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, EARLY: tl.constexpr,
-):
-    """The one-row GEMV for a matrix whose programs hold their whole weight slice ([BLOCK_N, K], N a
-    multiple of BLOCK_N), loaded at once; `EARLY`: before the PDL wait, so it streams while the previous
-    kernel still runs (OPTIONS["resident"])."""
-    pid = tl.program_id(0)
-    n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    k = tl.arange(0, K)
-    if EARLY:
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :])
-        pdl_enter(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :])
-    act_ty = x_ptr.dtype.element_ty
-    rstd = 0.0
-    if PROLOGUE == 1:
-        ss = _row_squares(x_ptr, res_ptr, res_out_ptr, k, pid, act_ty, HAS_RES)
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    xv = _x_tile(x_ptr, res_ptr, nw_ptr, k, K, rstd, act_ty, PROLOGUE, HAS_RES)
-    out = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    if HAS_SCALE:
-        out = out * tl.load(s_ptr + n)
-    tl.store(out_ptr + n, out.to(act_ty).to(out_ptr.dtype.element_ty))
-
-
 def prologue_launch(prologue: int, k_dim: int, elem_bytes: int) -> dict[str, int | bool]:
     """WHOLE_K and FIRST_W for a launch under OPTIONS["prologue"] (see OPTIONS) on weights of `elem_bytes`
     bytes: the whole-row read applies to the RMSNorm prologue over a power-of-two K up to MAX_WHOLE_K,
@@ -312,6 +255,8 @@ def gemv(
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
     n_dim, k_dim = weight.shape
     assert x.shape[1] == (2 * k_dim if prologue == SILU_MUL else k_dim)
+    block_n, block_k, warps, fold = gemv_tile(weight.element_size(), n_dim, k_dim)
+    assert k_dim % block_k == 0, f"K ({k_dim}) must be a multiple of BLOCK_K ({block_k})"
     out = torch.empty(1, n_dim, device=x.device, dtype=out_dtype or x.dtype)
     res_out = x
     has_res = prologue == RMSNORM and residual is not None
@@ -320,17 +265,6 @@ def gemv(
         res_out = torch.empty_like(x)
     if prologue == RMSNORM:
         assert norm_weight is not None
-    resident = resident_tile(weight.element_size(), n_dim, k_dim)
-    if resident is not None:
-        _gemv_resident_kernel[(n_dim // resident[0],)](
-            x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
-            scale if scale is not None else weight, out, eps, K=k_dim, PROLOGUE=prologue, HAS_RES=has_res,
-            HAS_SCALE=scale is not None, BLOCK_N=resident[0], EARLY=bool(resident[2]), num_warps=resident[1],
-            num_stages=1, **pdl_args(),
-        )
-        return out, (res_out if prologue == RMSNORM else None)
-    block_n, block_k, warps, fold = gemv_tile(weight.element_size(), n_dim, k_dim)
-    assert k_dim % block_k == 0, f"K ({k_dim}) must be a multiple of BLOCK_K ({block_k})"
     _gemv_kernel[(triton.cdiv(n_dim, block_n),)](
         x, residual if has_res else x, norm_weight if norm_weight is not None else x, res_out, weight,
         scale if scale is not None else weight, out, n_dim, k_dim, eps,

@@ -41,7 +41,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, QUANT: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False, count_ptr=None, MERGE_LAST: tl.constexpr = False, LATE_KEY: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     if KV_FIRST:  # grid (KV heads, sequences, partitions): a sequence's KV heads are launched side by side
@@ -55,8 +55,6 @@ def _decode_kernel(
     TOK_STRIDE: tl.constexpr = HEAD_DIM if HEAD_MAJOR else NUM_KV * HEAD_DIM
     HEAD_STRIDE: tl.constexpr = BLOCK_SIZE * HEAD_DIM if HEAD_MAJOR else HEAD_DIM
     seq_len = tl.load(seq_lens_ptr + seq)
-    if LATE_KEY:  # (FUSE_ROPE) the new key is scored, and stored, by the merge kernel: the earlier keys only
-        seq_len = seq_len - 1
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     gmask = g < GROUP
@@ -84,9 +82,7 @@ def _decode_kernel(
         q, _q_raw = rms_rope(q_rows + d[None, :], q_rows + partner[None, :], gmask[:, None],
                              tl.load(qw_ptr + d)[None, :], tl.load(qw_ptr + partner)[None, :], cos, sin, d, eps,
                              HEAD_DIM)  # [GP, D]
-        if LATE_KEY:
-            pass
-        elif (seq_len - 1 >= start) & (seq_len - 1 < start + part_len):
+        if (seq_len - 1 >= start) & (seq_len - 1 < start + part_len):
             slot = tl.load(slot_ptr + seq).to(tl.int64)
             if slot >= 0:
                 k_row = row_ptr + (num_heads + kvh) * HEAD_DIM
@@ -159,42 +155,11 @@ def _decode_kernel(
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
-        if MERGE_LAST:
-            # the last of the sequence's partition programs for this KV head to arrive merges them (no second
-            # kernel): every thread's partials are stored (CTA barrier) and released GPU-wide before the
-            # arrival is counted; the last one reads them all back (past L1) and resets the counter
-            tl.debug_barrier()
-            counter = count_ptr + seq * NUM_KV + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_PARTS - 1:
-                _merge_parts(part_acc_ptr, part_ml_ptr, out_ptr, (seq * NUM_KV + kvh) * GROUP, GROUP, NUM_PARTS,
-                             HEAD_DIM)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_parts(part_acc_ptr, part_ml_ptr, out_ptr, row0, ROWS: tl.constexpr, NUM_PARTS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
-    """out rows row0 .. row0 + ROWS (query heads of one sequence) from their NUM_PARTS partial softmaxes."""
-    r = row0 + tl.arange(0, ROWS).to(tl.int64)
-    p = tl.arange(0, NUM_PARTS)
-    d = tl.arange(0, HEAD_DIM)
-    rp = r[:, None] * NUM_PARTS + p[None, :]  # [R, P]
-    m = tl.load(part_ml_ptr + rp * 2, cache_modifier=".cg")  # -inf for empty partitions
-    l_p = tl.load(part_ml_ptr + rp * 2 + 1, cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + rp[:, :, None] * HEAD_DIM + d[None, None, :], cache_modifier=".cg")  # [R, P, D]
-    m_max = tl.max(m, axis=1)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max[:, None]))  # [R, P]
-    num = tl.sum(acc * w[:, :, None], axis=1)
-    den = tl.sum(l_p * w, axis=1)
-    tl.store(out_ptr + r[:, None] * HEAD_DIM + d[None, :], (num / den[:, None]).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _decode_reduce_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
-    qkv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, slot_ptr=None, k_ptr=None,
-    v_ptr=None, scale=1.0, eps=0.0, NUM_KV: tl.constexpr = 1, GROUP: tl.constexpr = 1,
-    BLOCK_SIZE: tl.constexpr = 1, NEW_KEY: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # seq * H + head
@@ -202,40 +167,11 @@ def _decode_reduce_kernel(
     d = tl.arange(0, HEAD_DIM)
     m = tl.load(part_ml_ptr + (row * NUM_PARTS + p) * 2)  # [P]; -inf for empty partitions
     l = tl.load(part_ml_ptr + (row * NUM_PARTS + p) * 2 + 1)  # [P]
-    acc = tl.load(part_acc_ptr + (row * NUM_PARTS + p)[:, None] * HEAD_DIM + d[None, :])  # [P, D]
     m_max = tl.max(m, axis=0)
-    if NEW_KEY:
-        # the partitions held the earlier keys (LATE_KEY): this row's q/k norm + RoPE, the new key's score
-        # and value merged in as one more partition, and (one program per KV head) its K/V stored
-        num_heads: tl.constexpr = NUM_KV * GROUP
-        seq, head = row // num_heads, row % num_heads
-        kvh = head // GROUP
-        partner = (d + HEAD_DIM // 2) % HEAD_DIM
-        row_ptr = qkv_ptr + seq * ((num_heads + 2 * NUM_KV) * HEAD_DIM)
-        pos = tl.load(pos_ptr + seq)
-        cos = tl.load(cos_ptr + pos * HEAD_DIM + d)[None, :]
-        sin = tl.load(sin_ptr + pos * HEAD_DIM + d)[None, :]
-        every = (d < HEAD_DIM)[None, :]
-        q_row, k_row = row_ptr + head * HEAD_DIM, row_ptr + (num_heads + kvh) * HEAD_DIM
-        q, _q = rms_rope((q_row + d)[None, :], (q_row + partner)[None, :], every, tl.load(qw_ptr + d)[None, :],
-                         tl.load(qw_ptr + partner)[None, :], cos, sin, d, eps, HEAD_DIM)  # [1, D]
-        k, _k = rms_rope((k_row + d)[None, :], (k_row + partner)[None, :], every, tl.load(kw_ptr + d)[None, :],
-                         tl.load(kw_ptr + partner)[None, :], cos, sin, d, eps, HEAD_DIM)  # [1, D]
-        v = tl.load(row_ptr + (num_heads + NUM_KV + kvh) * HEAD_DIM + d)  # [D]
-        s_new = tl.sum(tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1), axis=0) * (scale * 1.4426950408889634)
-        m_max = tl.maximum(m_max, s_new)
-        w_new = tl.exp2(s_new - m_max)
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        if (head % GROUP == 0) & (slot >= 0):
-            off = (slot // BLOCK_SIZE) * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (slot % BLOCK_SIZE) * (NUM_KV * HEAD_DIM)
-            tl.store(k_ptr + off + kvh * HEAD_DIM + d[None, :], k)
-            tl.store(v_ptr + off + kvh * HEAD_DIM + d, v)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [P]
+    acc = tl.load(part_acc_ptr + (row * NUM_PARTS + p)[:, None] * HEAD_DIM + d[None, :])  # [P, D]
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l * w, axis=0)
-    if NEW_KEY:
-        num += w_new * v.to(tl.float32)
-        den += w_new
     tl.store(out_ptr + row * HEAD_DIM + d, (num / den).to(out_ptr.dtype.element_ty))
 
 
@@ -263,22 +199,9 @@ SPLIT_TWO_BELOW = 256
 # "split_two_below": programs under which keys split in 2.
 # "launch": (key tile, warps, stages) for every grid whose keys are not split, in place of `decode_launch`'s
 # choice (None: its choice).
-# "merge_last": split keys are merged by the last partition program of each (sequence, KV head) to finish,
-# found by an arrival counter, instead of by a second kernel.
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
-    "merge_last": False,
 }
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _arrival_counters(k_cache: torch.Tensor, slots: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for one layer's cache (the kernels leave them zero again). One set per
-    cache tensor, since the two tails' layers may run at once on two streams."""
-    key = (k_cache.data_ptr(), k_cache.device, slots)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(slots, dtype=torch.int32, device=k_cache.device)
-    return _COUNTERS[key]
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
 # 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
@@ -364,7 +287,7 @@ def paged_decode_attention_rope(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, num_heads: int,
-    eps: float, *, store_only: bool = False, late_key: bool = False, **launch,
+    eps: float, *, store_only: bool = False, **launch,
 ) -> torch.Tensor | None:
     """`qk_norm_rope_store` and `paged_decode_attention` in one kernel: qkv [B, (H + 2KV) * D] (the QKV
     projection of one new row per sequence, at positions [B] = seq_lens - 1) -> attention output [B, H, D];
@@ -375,7 +298,7 @@ def paged_decode_attention_rope(
     assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     rope = (qkv, q_norm, k_norm, cos_table, sin_table, positions, slot_mapping, float(eps))
     out = _decode(None, rope, num_heads, k_cache, v_cache, block_tables, seq_lens, num_parts, store_only=store_only,
-                  late_key=late_key and num_parts > 1 and not store_only, **launch)
+                  **launch)
     return None if store_only else out
 
 
@@ -384,11 +307,8 @@ def _decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, store_only: bool = False, kv_first: bool = False,
     head_major: bool = False, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    late_key: bool = False,
 ) -> torch.Tensor:
-    """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates
-    (`late_key`, split keys only: the merge kernel scores and stores the new key)."""
-    assert not late_key or (rope is not None and num_parts > 1 and k_scale is None and not head_major)
+    """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
     src = q if q is not None else rope[0]
     batch = src.shape[0]
     if head_major:
@@ -410,8 +330,6 @@ def _decode(
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=src.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out
-    merge_last = num_parts > 1 and not store_only and bool(OPTIONS["merge_last"])
-    counters = _arrival_counters(k_cache, batch * num_kv) if merge_last else None
     # without `rope` its pointers are unused: any tensor stands in
     qkv, q_norm, k_norm, cos, sin, positions, slots, eps = rope if rope is not None else (src,) * 7 + (0.0,)
     _decode_kernel[(num_kv, batch, num_parts) if kv_first else (batch, num_kv, num_parts)](
@@ -421,15 +339,8 @@ def _decode(
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
         QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
-        count_ptr=counters, MERGE_LAST=merge_last, LATE_KEY=late_key,
     )
-    if late_key:
-        _decode_reduce_kernel[(batch * num_heads,)](
-            part_acc, part_ml, out, NUM_PARTS=num_parts, HEAD_DIM=head_dim, qkv_ptr=qkv, qw_ptr=q_norm,
-            kw_ptr=k_norm, cos_ptr=cos, sin_ptr=sin, pos_ptr=positions, slot_ptr=slots, k_ptr=k_cache,
-            v_ptr=v_cache, scale=scale, eps=eps, NUM_KV=num_kv, GROUP=group, BLOCK_SIZE=block_size, NEW_KEY=True,
-            num_warps=2, **pdl_args())
-    elif num_parts > 1 and not store_only and not merge_last:
+    if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
                                                      HEAD_DIM=head_dim, num_warps=2, **pdl_args())
     return out

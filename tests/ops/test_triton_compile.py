@@ -109,15 +109,6 @@ CASES = [
       for name, fuse, parts in (("decode_attention", False, 8), ("decode_attention_rope", True, 1))],
     ("decode_merge", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
      | {"out_ptr": "*bf16"}, {"NUM_PARTS": 16, "HEAD_DIM": 128}),
-    # the new key scored and stored by the merge kernel (`late_key`): the attention over the earlier keys
-    # rotates its q, the merge normalises and rotates q and k
-    ("decode_attention_rope(late_key)", paged_attention._decode_kernel, DECODE_SIG,
-     {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64, "PART": 0,
-      "NUM_PARTS": 16, "DOT_PREC": "tf32", "FUSE_ROPE": True, "STORE_ONLY": False, "LATE_KEY": True}),
-    ("decode_merge(new_key)", paged_attention._decode_reduce_kernel, _ptrs("part_acc_ptr part_ml_ptr", "*fp32")
-     | _ptrs("out_ptr qkv_ptr qw_ptr kw_ptr cos_ptr sin_ptr k_ptr v_ptr") | {
-         "pos_ptr": "*i64", "slot_ptr": "*i64", "scale": "fp32", "eps": "fp32"},
-     {"NUM_PARTS": 16, "HEAD_DIM": 128, "NUM_KV": 8, "GROUP": 4, "BLOCK_SIZE": 16, "NEW_KEY": True}),
     ("fp8_gemv_rows", fp8_gemv._fp8_gemv_kernel.fn, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                                                       "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
      {"BLOCK_N": 32, "BLOCK_K": 256}),
