@@ -95,5 +95,6 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                  "fast_lane_code_budget": args.vocoder_fast_lane_code_budget,
                  "background_yield": args.vocoder_background_yield,
                  "yield_max_s": args.vocoder_yield_max_s}
-    vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming)
+    vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming,
+                               call_timeout_s=args.vocoder_call_timeout_s)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

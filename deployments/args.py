@@ -117,6 +117,10 @@ class AppArgs(BaseModel):
     # session's opening ("newcomer"; deployments/batcher.py).
     vocoder_background_yield: Literal["off", "first_chunk", "newcomer"] = "off"
     vocoder_yield_max_s: float = Field(default=0.3, gt=0)
+    # Replica health (docs/operations.md): a vocoder call (one batched step, a finish, an open) running longer
+    # than this fails the replica's health check until it returns, so Serve replaces a replica whose kernel
+    # hung. Steps take milliseconds; the warm-up runs before serving, outside the batcher.
+    vocoder_call_timeout_s: float = Field(default=60.0, gt=0)
     # LLM -> vocoder transport: the codes of a stream's first two chunks leave the LLM deployment at once,
     # later codes in batches at most every `codes_batch_s` (each batch is one Ray streaming item, which
     # costs ~0.2-1 ms of CPU: one item per decode step per stream saturates a replica at a few thousand

@@ -26,18 +26,16 @@ from deployments.metrics import RecentWindow, VocoderMetrics
 from deployments.timeline import stamp_codes
 
 logger = logging.getLogger("ray.serve")
-# the longest a vocoder call (a step of every batched stream, a finish, an open) may run before the replica's
-# health check calls it hung (steps take milliseconds; the warm-up runs before serving, outside the batcher)
-VOCODER_CALL_TIMEOUT_S = 60.0
 
 
 class VocoderServer:
     """One StreamingVocoder per replica, plus a handle to the LLM deployment."""
 
     async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any,
-                       streaming: dict[str, Any] | None = None) -> None:
+                       streaming: dict[str, Any] | None = None, call_timeout_s: float = 60.0) -> None:
         """`streaming`: `codes_batch_s`, `policy`, `urgent_buffer_s`, `step_code_budget`, `urgent_step_code_budget`,
-        `fast_lane_code_budget`, `background_yield`, `yield_max_s` (AppArgs)."""
+        `fast_lane_code_budget`, `background_yield`, `yield_max_s` (AppArgs). `call_timeout_s`: AppArgs'
+        `vocoder_call_timeout_s` (`check_health`)."""
         from vocoder.config import SAMPLE_RATE
         from vocoder.streaming import build_for_serving
 
@@ -51,6 +49,7 @@ class VocoderServer:
         if "eager_steps" in warm:
             logger.info("vocoder eager warm-up: %d steps in %.1f s", warm["eager_steps"], warm["eager_seconds"])
         self._llm = llm
+        self._call_timeout_s = call_timeout_s
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
         self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
@@ -67,8 +66,8 @@ class VocoderServer:
 
     def check_health(self) -> None:
         """Serve's replica health check: raises VocoderUnhealthyError after a vocoder call failed with a device
-        error, or while one has run longer than VOCODER_CALL_TIMEOUT_S, so that Serve replaces the replica."""
-        problem = self._batcher.health_problem(VOCODER_CALL_TIMEOUT_S)
+        error, or while one has run longer than `vocoder_call_timeout_s`, so that Serve replaces the replica."""
+        problem = self._batcher.health_problem(self._call_timeout_s)
         if problem is not None:
             raise VocoderUnhealthyError(problem)
 

@@ -63,6 +63,15 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
     assert args.vocoder_eager_warmup_rows == eager_rows
 
 
+def test_the_vocoder_call_timeout_reaches_the_vocoder_replica() -> None:
+    """`vocoder_call_timeout_s` becomes VocoderServer's `call_timeout_s`, which its health check uses."""
+    args = yaml_args("serve.yaml")
+    default = deployments_of(args)["VocoderServer"]
+    assert default.init_kwargs == {"call_timeout_s": 60.0}
+    tuned = deployments_of(args | {"vocoder_call_timeout_s": 7.5})["VocoderServer"]
+    assert tuned.init_kwargs == {"call_timeout_s": 7.5}
+
+
 def test_gpu_config_uses_the_ops_autoscaling_policies() -> None:
     args = yaml_args("serve-4090.yaml")
     args["require_gpus_at_start"] = False
@@ -125,6 +134,7 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_background_yield": "always", "vocoder_fast_lane_code_budget": 32},
      "Input should be 'off', 'first_chunk' or 'newcomer'"),
     ({"vocoder_yield_max_s": 0}, "greater than 0"),
+    ({"vocoder_call_timeout_s": 0}, "greater than 0"),
     ({"vocoder_memory_cap_bytes": 2**30}, "vocoder_memory_cap_bytes needs vocoder_device cuda, got 'cpu'"),
     ({"vocoder_memory_cap_bytes": 0, "vocoder_device": "cuda"}, "greater than or equal to 1"),
 ])

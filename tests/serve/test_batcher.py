@@ -753,7 +753,7 @@ def test_the_vocoder_replicas_health_check_raises_the_batchers_problem() -> None
     from types import SimpleNamespace
 
     from deployments.batcher import VocoderUnhealthyError
-    from deployments.vocoder_server import VOCODER_CALL_TIMEOUT_S, VocoderServer
+    from deployments.vocoder_server import VocoderServer
 
     limits: list[float] = []
 
@@ -763,7 +763,8 @@ def test_the_vocoder_replicas_health_check_raises_the_batchers_problem() -> None
 
     server = object.__new__(VocoderServer)
     server._batcher = SimpleNamespace(health_problem=problem)
+    server._call_timeout_s = 12.5  # AppArgs' vocoder_call_timeout_s, as the constructor keeps it
     server.check_health()
     with pytest.raises(VocoderUnhealthyError, match="device error"):
         server.check_health()
-    assert limits == [VOCODER_CALL_TIMEOUT_S] * 2
+    assert limits == [12.5] * 2
