@@ -21,6 +21,8 @@ def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:
         data = json.loads(body, parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested thousands deep: the parser's recursion limit
+        raise bad_request("request body nests arrays or objects too deeply", code="invalid_json") from None
     except ValueError as exc:  # NaN / Infinity literals
         raise bad_request(str(exc), code="invalid_value") from None
     if not isinstance(data, dict):

@@ -51,6 +51,9 @@ def test_speech_defaults() -> None:
 @pytest.mark.parametrize(("body", "status", "param", "fragment"), [
     (b"{not json", 400, None, "not valid JSON"),
     (b"[1, 2]", 400, None, "must be a JSON object"),
+    # 100k nested arrays (200 KB, under the body limit) exhaust the parser's recursion: a 400, not a 500
+    (b'{"model": "moss-speech", "input": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+     "nests arrays or objects too deeply"),
     (b'{"model": "moss-speech", "input": "hi", "temperature": NaN}', 400, None, "non-finite number NaN"),
     (b'{"model": "moss-speech", "input": "hi", "top_p": Infinity}', 400, None, "non-finite number Infinity"),
     (speech(input=...), 400, "input", "Field required"),
