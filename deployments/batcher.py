@@ -216,11 +216,36 @@ class VocoderBatcher:
         self._ensure_loop()
         lane = 0 if self._fast_executor is None else 1
         options = {"lane": lane} if lane else {}  # a one-lane vocoder need not take the argument
-        session = await self._call(lambda: self.vocoder.open(voice, seed=seed, **options), lane=lane)
+        call = asyncio.ensure_future(self._call(lambda: self.vocoder.open(voice, seed=seed, **options), lane=lane))
+        try:
+            session = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # the caller went away while the worker thread opens the session: close it once it exists
+            call.add_done_callback(self._discard_opened)
+            raise
+        except Exception as exc:
+            self._note_device_error(exc)  # an idle replica's only vocoder calls are its opens
+            raise
         self.num_open_sessions += 1
         stream = BatchedStream(session, asyncio.Queue())
         self._streams.append(stream)
         return stream
+
+    def _discard_opened(self, call: asyncio.Future) -> None:
+        """An open whose caller was cancelled finished: its session (if it opened) is closed by the next round."""
+        if call.cancelled():
+            return
+        if call.exception() is not None:
+            self._note_device_error(call.exception())
+            return
+        self.num_open_sessions += 1
+        self._discard.append(call.result())
+        self._wake_all()
+
+    def _note_device_error(self, exc: BaseException) -> None:
+        """Keep the first device error (a CUDA error poisons the process): `health_problem` reports it."""
+        if self.device_error is None and is_device_error(exc):
+            self.device_error = repr(exc)
 
     def push(self, stream: BatchedStream, codes: Sequence[int]) -> None:
         """Queue codes for the next step (never blocks)."""
@@ -268,8 +293,7 @@ class VocoderBatcher:
 
     def _fail(self, streams: Sequence[BatchedStream], exc: BaseException) -> None:
         """End `streams` with a VocoderStepError; their sessions are closed by the next round."""
-        if self.device_error is None and is_device_error(exc):
-            self.device_error = repr(exc)
+        self._note_device_error(exc)
         error = VocoderStepError(f"vocoder step failed: {exc!r}")
         for stream in streams:
             if stream in self._streams:
@@ -291,8 +315,11 @@ class VocoderBatcher:
         closable = [session for session in self._discard if id(session) not in busy]
         if closable:
             self._discard = [session for session in self._discard if id(session) in busy]
-            await self._call(lambda: [self.vocoder.close(session) for session in closable])
-            self.num_open_sessions -= len(closable)
+            errors = await self._call(self._close_sessions, closable)
+            self.num_open_sessions -= len(closable)  # a session whose close failed is not retried either
+            for exc in errors:
+                logger.error("closing a vocoder session failed: %r", exc)
+                self._note_device_error(exc)
             did_work = True
         now = time.monotonic()
         kind, ready = self.pick(now)
@@ -325,6 +352,17 @@ class VocoderBatcher:
                 stream.out.put_nowait(END)
             did_work = True
         return did_work
+
+    def _close_sessions(self, sessions: Sequence[Any]) -> list[Exception]:
+        """`StreamingVocoder.close` each session (worker thread); one failing close neither stops the others
+        nor fails any live stream. -> the errors raised."""
+        errors = []
+        for session in sessions:
+            try:
+                self.vocoder.close(session)
+            except Exception as exc:  # noqa: BLE001 - returned, logged by the loop
+                errors.append(exc)
+        return errors
 
     async def _fast_round(self) -> bool:
         """One step on the fast lane; False when it had nothing to do."""

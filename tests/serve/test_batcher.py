@@ -366,6 +366,84 @@ def test_a_failing_step_fails_its_streams_and_the_loop_serves_the_next_ones() ->
     asyncio.run(main())
 
 
+def test_a_failing_close_fails_no_live_stream() -> None:
+    """A session whose `close` raises (the stream was aborted) is logged and counted closed; the other
+    streams keep being served, and a non-device error leaves the replica healthy."""
+    async def main() -> None:
+        vocoder = RecordingVocoder()
+        real_close = vocoder.close
+
+        def close(session: Session) -> None:
+            if session.name == "v-9":
+                raise RuntimeError("close failed")
+            real_close(session)
+
+        vocoder.close = close
+        batcher = VocoderBatcher(vocoder, max_batch_size=4, sample_rate=24000, policy="fifo")
+        healthy, doomed, other = [await batcher.open("v", seed=i) for i in (1, 9, 2)]
+        batcher.close(doomed)
+        batcher.close(other)
+        batcher.push(healthy, [1, 2, 3])
+        batcher.end(healthy)
+        assert await drain(healthy.out) == [float(x) for x in (1, 2, 3) for _ in range(SAMPLES)]
+        assert vocoder.closed == ["v-2"]  # the failing close did not stop the next one
+        assert batcher.num_open_sessions == 0 and batcher.health_problem(60.0) is None
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_device_error_in_open_fails_the_health_check() -> None:
+    """An idle replica's only vocoder calls are its opens: a CUDA error there makes it unhealthy too."""
+    class BrokenOpen(RecordingVocoder):
+        def open(self, voice: str, *, seed: int = 0) -> Session:
+            raise RuntimeError(f"CUDA error: an illegal memory access ({voice})" if voice == "gpu" else "no voice")
+
+    async def main() -> None:
+        batcher = VocoderBatcher(BrokenOpen(), max_batch_size=4, sample_rate=24000)
+        with pytest.raises(RuntimeError, match="no voice"):
+            await batcher.open("missing", 0)
+        assert batcher.health_problem(60.0) is None  # not the device
+        with pytest.raises(RuntimeError, match="CUDA error"):
+            await batcher.open("gpu", 0)
+        assert batcher.health_problem(60.0) == ("a vocoder call failed with a device error: "
+                                                "RuntimeError('CUDA error: an illegal memory access (gpu)')")
+        assert batcher.num_open_sessions == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_session_whose_caller_went_away_while_it_opened_is_closed() -> None:
+    """The caller of `open` is cancelled while the worker thread still opens the session (a slow open, or one
+    queued behind a step): once it exists, the next round closes it; nothing stays open or counted."""
+    release = threading.Event()
+
+    class SlowOpen(RecordingVocoder):
+        def open(self, voice: str, *, seed: int = 0) -> Session:
+            release.wait(10)
+            return super().open(voice, seed=seed)
+
+    async def main() -> None:
+        vocoder = SlowOpen()
+        batcher = VocoderBatcher(vocoder, max_batch_size=4, sample_rate=24000)
+        opening = asyncio.ensure_future(batcher.open("v", seed=5))
+        await asyncio.sleep(0.05)  # the open runs on the worker thread
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        release.set()
+        for _ in range(200):  # the worker finishes the open, the loop closes the session
+            if vocoder.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert (vocoder.num_opened, vocoder.closed) == (1, ["v-5"])
+        assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_the_loop() -> None:
     async def main() -> None:
         vocoder = ChunkVocoder()
