@@ -92,6 +92,13 @@ def internal_error(message: str) -> ApiError:
     return ApiError(500, message, kind="internal", type="server_error", code="internal_error")
 
 
+def serve_over_capacity(exc: BackPressureError | DeploymentUnavailableError, retry_after_s: float) -> ApiError:
+    """A 503 for a Serve handle call that Serve itself refused (a full queue, no replica yet): Retry-After is
+    the error's own hint where Serve gives one, else `retry_after_s`."""
+    hint = getattr(exc, "retry_after_s", None)
+    return overloaded(f"server over capacity: {exc}", hint if hint is not None else retry_after_s)
+
+
 def error_event(exc: BaseException, *, retry_after_s: float = 1.0) -> dict[str, Any]:
     """Map an exception raised by the engine, the vocoder or a Serve handle call to an error event."""
     if isinstance(exc, ApiError):
@@ -101,7 +108,7 @@ def error_event(exc: BaseException, *, retry_after_s: float = 1.0) -> dict[str, 
     if isinstance(exc, EngineUnhealthyError):  # this replica is being replaced: another one, or a retry, serves
         return overloaded(f"server unavailable: {exc}", retry_after_s).to_event()
     if isinstance(exc, BackPressureError | DeploymentUnavailableError):  # Serve's own queues are full
-        return overloaded(f"server over capacity: {exc}", retry_after_s).to_event()
+        return serve_over_capacity(exc, retry_after_s).to_event()
     if isinstance(exc, ContextLengthExceededError):
         return ApiError(400, str(exc), kind="context_length", code="context_length_exceeded",
                         param="input").to_event()

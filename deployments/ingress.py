@@ -16,11 +16,12 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.args import AppArgs
-from deployments.errors import ApiError, error_event, internal_error, timeout_error
+from deployments.errors import ApiError, error_event, internal_error, serve_over_capacity, timeout_error
 from deployments.metrics import IngressMetrics
 from deployments.streams import ChatCompletionPlan, StreamPlan, chat_plan, speech_plan
 from deployments.validation import Limits, chat_request, speech_request
@@ -109,7 +110,10 @@ class Ingress:
 
     async def _get_limits(self) -> Limits:
         if self._limits is None:  # voice names come from the vocoder replica once, then are cached
-            voices = await self._vocoder.voices.remote()
+            try:
+                voices = await self._vocoder.voices.remote()
+            except (BackPressureError, DeploymentUnavailableError) as exc:  # e.g. a new replica under load
+                raise serve_over_capacity(exc, self._args.retry_after_s) from None
             self._limits = Limits(
                 served_model_name=self._args.served_model_name, voices=voices,
                 max_input_chars=self._args.max_input_chars,
@@ -138,8 +142,8 @@ class Ingress:
             return response
         # stream=false: run the same body to its end here, then answer once (a failure keeps its status)
         body = b"".join([chunk async for chunk in response.body_iterator])
-        if plan.failure is not None:
-            raise ApiError.from_event(plan.failure)
+        if plan.failure is not None:  # answered here, not raised: the body has counted it already
+            return ApiError.from_event(plan.failure).response()
         headers = {k: v for k, v in response.headers.items() if k in ("x-moss-request-id", "cache-control")}
         return Response(body, media_type=plan.media_type, headers=headers)
 
@@ -174,13 +178,22 @@ class Ingress:
                    "num_prompt_tokens": None, "num_cached_prompt_tokens": None, "error": None,
                    "timeline": {"ingress_received": received_at}}
         self._remember(summary)
-        return StreamingResponse(self._body(route, stream, plan, summary, started, deadline),
-                                 media_type=plan.media_type,
-                                 headers={"x-moss-request-id": request_id, "cache-control": "no-store"})
+        body_started = [False]
+
+        def abandon() -> None:  # the client went away before the body's first step: its `finally` never runs
+            if not body_started[0]:
+                stream.cancel()
+                summary["status"] = 499
+                self._count(route, 499, "disconnect")
+
+        return _StreamingBody(self._body(route, stream, plan, summary, started, deadline, body_started),
+                              abandon, media_type=plan.media_type,
+                              headers={"x-moss-request-id": request_id, "cache-control": "no-store"})
 
     async def _body(self, route: str, stream: Any, plan: StreamPlan, summary: dict[str, Any],
-                    started: float, deadline: float) -> AsyncIterator[bytes]:
+                    started: float, deadline: float, body_started: list[bool]) -> AsyncIterator[bytes]:
         """Frame events as bytes; every audio chunk is yielded as soon as it is received."""
+        body_started[0] = True
         self._num_active += 1
         status, error_kind = 499, "disconnect"  # unless we reach the end
         last_audio_at: float | None = None
@@ -239,3 +252,20 @@ class Ingress:
         self._recent[summary["request_id"]] = summary
         while len(self._recent) > MAX_REMEMBERED_REQUESTS:
             self._recent.popitem(last=False)
+
+
+class _StreamingBody(StreamingResponse):
+    """A StreamingResponse that calls `abandon` once it is done, however it ended. Starlette may never start
+    the body (the client gone while the response start is sent, or the disconnect listener winning first);
+    a body generator that never started never runs its `finally`, so `abandon` releases what it would have
+    (it does nothing when the body did start)."""
+
+    def __init__(self, content: AsyncIterator[bytes], abandon: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._abandon = abandon
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._abandon()

@@ -32,10 +32,12 @@ class VocoderServer:
     """One StreamingVocoder per replica, plus a handle to the LLM deployment."""
 
     async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any,
-                       streaming: dict[str, Any] | None = None, call_timeout_s: float = 60.0) -> None:
+                       streaming: dict[str, Any] | None = None, call_timeout_s: float = 60.0,
+                       retry_after_s: float = 1.0) -> None:
         """`streaming`: `codes_batch_s`, `policy`, `urgent_buffer_s`, `step_code_budget`, `urgent_step_code_budget`,
         `fast_lane_code_budget`, `background_yield`, `yield_max_s` (AppArgs). `call_timeout_s`: AppArgs'
-        `vocoder_call_timeout_s` (`check_health`)."""
+        `vocoder_call_timeout_s` (`check_health`). `retry_after_s`: AppArgs' `retry_after_s`, the Retry-After of
+        the 503 when the LLM deployment is over capacity."""
         from vocoder.config import SAMPLE_RATE
         from vocoder.streaming import build_for_serving
 
@@ -50,6 +52,7 @@ class VocoderServer:
             logger.info("vocoder eager warm-up: %d steps in %.1f s", warm["eager_steps"], warm["eager_seconds"])
         self._llm = llm
         self._call_timeout_s = call_timeout_s
+        self._retry_after_s = retry_after_s
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
         self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
@@ -111,7 +114,7 @@ class VocoderServer:
         except Exception as exc:  # noqa: BLE001 - reported to the ingress as an error event
             llm_stream.cancel()
             self._discard(opening)
-            yield error_event(exc)
+            yield error_event(exc, retry_after_s=self._retry_after_s)
             return
         if first["type"] == "error":
             self._discard(opening)
@@ -126,7 +129,7 @@ class VocoderServer:
                 try:
                     stream = await opening
                 except Exception as exc:  # noqa: BLE001 - e.g. a voice file gone: an error event
-                    yield error_event(exc)
+                    yield error_event(exc, retry_after_s=self._retry_after_s)
                     return
             out: asyncio.Queue = stream.out if stream is not None else asyncio.Queue()
             finished: dict[str, Any] = {}
@@ -204,7 +207,7 @@ class VocoderServer:
             raise
         except Exception as exc:
             logger.exception("reading the LLM stream failed")
-            out.put_nowait(error_event(exc))
+            out.put_nowait(error_event(exc, retry_after_s=self._retry_after_s))
             return
         if stream is not None:
             self._batcher.end(stream)  # the batcher flushes, finishes and puts END

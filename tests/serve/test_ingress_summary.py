@@ -1,11 +1,17 @@
-"""The ingress' per-request summary (GET /admin/requests/{id}) when a stream ends, driven in process with a
-scripted vocoder stream (no Ray): a failure mid-way keeps its kind and message, a finished one has none."""
+"""The ingress' per-request summary (GET /admin/requests/{id}) and its request counts when a stream ends,
+driven in process with a scripted vocoder stream (no Ray): a failure mid-way keeps its kind and message, a
+finished one has none, a body the client never let start is released and counted, a non-streamed chat
+failure is counted once, and a vocoder deployment over capacity is a 503."""
 from __future__ import annotations
 
 import asyncio
+import json
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from serve_harness import app_args
+from starlette.requests import ClientDisconnect, Request
 
 from deployments.ingress import Ingress
 from deployments.streams import StreamPlan
@@ -32,10 +38,32 @@ class ScriptedStream:
         self.cancelled = True
 
 
+class Voices:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    async def remote(self) -> list[str]:
+        if self.error is not None:
+            raise self.error
+        return ["default"]
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, str] | None] = []
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(tags)
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        pass
+
+
 class ScriptedVocoder:
-    def __init__(self, stream: ScriptedStream) -> None:
+    def __init__(self, stream: ScriptedStream, voices_error: Exception | None = None) -> None:
         self.stream = stream
         self.synthesize = self
+        self.voices = Voices(voices_error)
 
     def options(self, **_: Any) -> ScriptedVocoder:
         return self
@@ -74,3 +102,78 @@ def test_a_finished_stream_has_no_error() -> None:
     assert data == PCM
     assert (summary["status"], summary["finish_reason"], summary["error"]) == (200, "length", None)
     assert not cancelled
+
+
+def counted_ingress(events: list[dict[str, Any]], voices_error: Exception | None = None,
+                    **args: Any) -> tuple[Ingress, ScriptedStream, Counter, Counter]:
+    """An Ingress (AppArgs `args`) over a scripted stream, counting its requests and errors."""
+    stream = ScriptedStream([{"type": "started"}, *events])
+    ingress = Ingress(app_args("tiny") | args, llm=None, vocoder=ScriptedVocoder(stream, voices_error))
+    requests, errors = Counter(), Counter()
+    ingress._metrics = SimpleNamespace(requests=requests, errors=errors, time_to_first_audio=Counter(),
+                                       chunk_gap=Counter(), realtime_factor=Counter(), audio_seconds=Counter())
+    return ingress, stream, requests, errors
+
+
+def post(path: str, payload: dict[str, Any]) -> Request:
+    body = json.dumps(payload).encode()
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "server": ("127.0.0.1", 8000),
+             "scheme": "http", "http_version": "1.1"}
+    return Request(scope, receive)
+
+
+def test_a_body_the_client_never_let_start_is_released_and_counted() -> None:
+    """The client is gone when the response start is sent: Starlette never iterates the body, whose own
+    `finally` would have cancelled the vocoder stream and counted the request."""
+    ingress, stream, requests, errors = counted_ingress([{"type": "audio", "pcm": PCM}])
+
+    async def main() -> None:
+        response = await ingress._stream("speech", {"request_id": "r1"}, StreamPlan(media_type="audio/pcm"), 0.0)
+
+        async def send(message: dict[str, Any]) -> None:
+            raise OSError("client gone")
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        with pytest.raises(ClientDisconnect):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(main())
+    assert stream.cancelled and ingress._recent["r1"]["status"] == 499
+    assert (requests.calls, errors.calls) == ([{"route": "speech", "status": "499"}], [{"kind": "disconnect"}])
+    assert ingress._num_active == 0
+
+
+def test_a_non_streamed_chat_failure_is_counted_once() -> None:
+    failure = {"type": "error", "status": 500, "message": "generation failed: boom", "kind": "internal",
+               "error_type": "server_error", "param": None, "code": "internal_error", "retry_after_s": None}
+    ingress, _, requests, errors = counted_ingress([{"type": "text", "text": "hi"}, failure])
+    response = asyncio.run(ingress(post("/v1/chat/completions", {
+        "model": "moss-speech", "messages": [{"role": "user", "content": "hello"}]})))
+    assert response.status_code == 500
+    assert json.loads(response.body)["error"]["message"] == "generation failed: boom"
+    assert (requests.calls, errors.calls) == ([{"route": "chat", "status": "500"}], [{"kind": "internal"}])
+
+
+def test_a_vocoder_deployment_over_capacity_at_the_voice_lookup_is_a_503() -> None:
+    """The first request of a new ingress replica looks the voices up; Serve refusing that call is a 503 with
+    the app's Retry-After, not a 500."""
+    from ray.serve.exceptions import BackPressureError
+
+    ingress, _, requests, _ = counted_ingress(
+        [], retry_after_s=4.0, voices_error=BackPressureError(num_queued_requests=5, max_queued_requests=5))
+    response = asyncio.run(ingress(post("/v1/audio/speech", {"model": "moss-speech", "input": "hi"})))
+    assert (response.status_code, response.headers["retry-after"]) == (503, "4")
+    assert json.loads(response.body)["error"]["code"] == "server_overloaded"
+    assert requests.calls == [{"route": "speech", "status": "503"}]

@@ -1,6 +1,7 @@
 """Request parsing and checks (no Ray, no model): each bad input maps to an exact 4xx error."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -150,6 +151,39 @@ def test_error_response_is_openai_shaped_with_retry_after() -> None:
 
     event = error_event(BackPressureError(num_queued_requests=9, max_queued_requests=8), retry_after_s=2.0)
     assert (event["status"], event["code"], event["retry_after_s"]) == (503, "server_overloaded", 2.0)
+    # Serve's own hint, where the handle's config gives one, wins over the app's
+    hinted = BackPressureError(num_queued_requests=9, max_queued_requests=8, retry_after_s=6.0)
+    assert error_event(hinted, retry_after_s=2.0)["retry_after_s"] == 6.0
+
+
+def test_the_llm_deployment_over_capacity_is_a_503_with_the_apps_retry_after() -> None:
+    """VocoderServer's first LLM event is Serve refusing the call: the error event it yields carries the
+    app's `retry_after_s` (its constructor argument), not a fixed second."""
+    from types import SimpleNamespace
+
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.vocoder_server import VocoderServer
+
+    class Refused:
+        def __aiter__(self) -> Refused:
+            return self
+
+        async def __anext__(self) -> dict:
+            raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
+
+        def cancel(self) -> None:
+            pass
+
+    llm = SimpleNamespace(generate=SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda _: Refused())))
+    server = object.__new__(VocoderServer)
+    server._llm, server._retry_after_s = llm, 7.0
+    events = asyncio.run(_collect(server.synthesize({"request_id": "r", "with_audio": False, "voice": "default"})))
+    assert [(e["type"], e["status"], e["retry_after_s"]) for e in events] == [("error", 503, 7.0)]
+
+
+async def _collect(stream) -> list[dict]:
+    return [event async for event in stream]
 
 
 def test_an_unhealthy_engine_is_a_503_and_fails_the_replicas_health_check() -> None:
