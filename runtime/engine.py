@@ -393,6 +393,7 @@ class EngineCore:
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: _InFlight | None = None  # asynchronous steps: the step whose rows are not read yet
+        self._undelivered: list[tuple[str, Event]] = []  # events of the current step phase (`_take_events`)
         self.num_broken_logits = 0  # requests ended because their logits had no valid draw (NaN / inf)
         self.num_step_reruns = 0  # asynchronous steps run again (a row switched to text mode, or a redraw)
         self._wait_s = 0.0  # the latest `wait_in_flight`
@@ -432,8 +433,10 @@ class EngineCore:
         return [] if seq is None else self._finish_events(seq)
 
     def fail_all(self, message: str) -> list[tuple[str, Event]]:
-        """End every in-flight request with reason "error" (after an engine failure or at shutdown)."""
-        events: list[tuple[str, Event]] = []
+        """End every in-flight request with reason "error" (after an engine failure or at shutdown). First
+        come the events a failed step had produced before it failed (`_undelivered`): a request it finished is
+        no longer in flight, and those events are its last rows and its `Finished`."""
+        events = self._take_events()
         for request_id in list(self.scheduler.seqs):
             events += self.abort_with_error(request_id, message)
         self._in_flight = None
@@ -447,21 +450,28 @@ class EngineCore:
     def begin_step(self) -> tuple[list[tuple[str, Event]], SchedulerOutput, ModelInput | None]:
         """Expire overdue waiting requests, schedule, and build the model input (None: nothing to run)."""
         start = time.perf_counter()
-        events, out = self._schedule()
+        out = self._schedule()
         scheduled = time.perf_counter()
         inp = None if out.is_empty else self.runner.prepare(out)
         self._timing = [scheduled - start, time.perf_counter() - scheduled]
-        return events, out, inp
+        return self._take_events(), out, inp
 
-    def _schedule(self) -> tuple[list[tuple[str, Event]], SchedulerOutput]:
-        """Expire overdue waiting requests (their events) and schedule the next step, noting each sequence's
-        first scheduled step in its Timeline."""
-        events = [e for seq in self.scheduler.expire_waiting() for e in self._finish_events(seq)]
+    def _schedule(self) -> SchedulerOutput:
+        """Expire overdue waiting requests (their events to `_undelivered`) and schedule the next step, noting
+        each sequence's first scheduled step in its Timeline."""
+        for seq in self.scheduler.expire_waiting():
+            self._undelivered += self._finish_events(seq)
         out = self.scheduler.schedule()
         for chunk in out.chunks:
             if chunk.seq.first_scheduled_at is None:
                 chunk.seq.first_scheduled_at = time.time()
-        return events, out
+        return out
+
+    def _take_events(self) -> list[tuple[str, Event]]:
+        """The events produced since the last call, in order (a step's phases collect theirs here, so that a
+        phase failing part-way loses none: `fail_all` hands them out)."""
+        events, self._undelivered = self._undelivered, []
+        return events
 
     def run_model(self, inp: ModelInput) -> tuple[dict[str, Row | None], float]:
         """Forward and sample (no core state is touched: callers may run this without their lock)
@@ -481,16 +491,15 @@ class EngineCore:
         row is None, logits without a valid draw, ends with an error first)."""
         start = time.perf_counter()
         _charge_step(out, step_s)
-        events: list[tuple[str, Event]] = []
         for request_id, row in sampled.items():
             if row is None:
-                events += self._fail_broken_logits(request_id, len(sampled))
+                self._undelivered += self._fail_broken_logits(request_id, len(sampled))
         for seq, row in self.scheduler.update(out, sampled):
-            events += self._row_events(seq, row)
+            self._undelivered += self._row_events(seq, row)
         if len(self._timing) == 4:
             self._log_step(out, *self._timing, time.perf_counter() - start)
         self._timing = []
-        return events
+        return self._take_events()
 
     def step(self) -> list[tuple[str, Event]]:
         """One whole step on the calling thread; returns (request id, event) pairs.
@@ -519,12 +528,12 @@ class EngineCore:
         """Expire, schedule and prepare the next step; the rows still being sampled are fed on the device
         from the step in flight -> (events of expired requests, the step to `launch`, or None)."""
         start = time.perf_counter()
-        events, out = self._schedule()
+        out = self._schedule()
         if out.is_empty:
-            return events, None
+            return self._take_events(), None
         scheduled = time.perf_counter()
         inp = self.runner.prepare(out)
-        return events, _Launched(out, inp, None, self._feed(inp), [scheduled - start, time.perf_counter() - scheduled],
+        return self._take_events(), _Launched(out, inp, None, self._feed(inp), [scheduled - start, time.perf_counter() - scheduled],
                                  start)
 
     def launch(self, launched: _Launched) -> None:
@@ -550,14 +559,13 @@ class EngineCore:
         begin = time.perf_counter()
         if self._in_flight is None:
             self._wait_s = 0.0
-        events: list[tuple[str, Event]] = []
         fed_rows: list[Row] = []
         changed = False
         if self._in_flight is not None:
-            events, fed_rows, changed = self._read_in_flight()
+            fed_rows, changed = self._read_in_flight()
             self._in_flight = None
         if launched is None:
-            return events
+            return self._take_events()
         inp = launched.inp
         assert launched.logits is not None, "finish_step before launch"
         stale = launched.feed is not None and changed  # a redraw changed a row the step was fed
@@ -582,7 +590,7 @@ class EngineCore:
         schedule_s, prepare_s, forward_s = launched.timing
         self._log_step(launched.out, schedule_s, prepare_s, forward_s, self._wait_s + sampled - begin,
                        time.perf_counter() - sampled)
-        return events
+        return self._take_events()
 
     def _feed(self, inp: ModelInput) -> RowFeed | None:
         """Where the in-flight step's sampled rows go in `inp` (None: it holds none of them)."""
@@ -599,26 +607,26 @@ class EngineCore:
         return RowFeed(tokens, is_audio, to_device(torch.tensor(dst, dtype=torch.long), device),
                        to_device(torch.tensor(src, dtype=torch.long), device))
 
-    def _read_in_flight(self) -> tuple[list[tuple[str, Event]], list[Row], bool]:
-        """Read the in-flight step's rows into their sequences -> (their events, the rows in sampling
-        order, whether a redraw changed an id after the rows' inputs were computed on the device)."""
+    def _read_in_flight(self) -> tuple[list[Row], bool]:
+        """Read the in-flight step's rows into their sequences (their events to `_undelivered`) -> (the rows
+        in sampling order, whether a redraw changed an id after the rows' inputs were computed on the
+        device)."""
         in_flight = self._in_flight
         assert in_flight is not None
         rows, changed = in_flight.rows.complete()
-        events: list[tuple[str, Event]] = []
         for seq, row in zip(in_flight.seqs, rows, strict=True):
             if seq.is_finished:  # aborted meanwhile
                 continue
             if row is None:  # logits without a valid draw: the request ends here
-                events += self._fail_broken_logits(seq.request_id, len(rows))
+                self._undelivered += self._fail_broken_logits(seq.request_id, len(rows))
                 continue
             assert seq.rows[-1] is PENDING_ROW
             seq.rows[-1] = row
             self.scheduler.accept_row(seq, row)
-            events += self._row_events(seq, row)
+            self._undelivered += self._row_events(seq, row)
         # a failed request has no row; a placeholder keeps the list aligned with the fed step's rows (that
         # request is finished, so a rerun of the step computes nothing anyone reads for it)
-        return events, [(MODALITY_PAD_ID, 0) if row is None else row for row in rows], changed
+        return [(MODALITY_PAD_ID, 0) if row is None else row for row in rows], changed
 
     def _fail_broken_logits(self, request_id: str, num_sampled: int) -> list[tuple[str, Event]]:
         """End a request whose logits had no valid draw (NaN or infinite), with reason "error"; the other

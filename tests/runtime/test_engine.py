@@ -505,6 +505,81 @@ def failing_forward(engine: Engine, failures: list[BaseException]) -> None:
     engine.core.runner.forward = fail  # type: ignore[method-assign]
 
 
+def test_a_request_finished_by_a_step_that_then_fails_still_gets_its_end(model: MossSpeechForCausalLM) -> None:
+    """Asynchronous steps: the step that reads request a's last row (a finishes: it leaves the scheduler)
+    fails afterwards, while launching the next sampling. a's last rows and its own Finished were produced
+    before the failure: they are delivered, not lost (a's stream used to hang), and b, still running, ends
+    with the step's error. Nothing is left held."""
+    rng = random.Random(31)
+    short = GenerationRequest("a", prompt(rng, 6, audio_out=True), GREEDY, GREEDY, max_new_tokens=2, min_new_tokens=2)
+    long = GenerationRequest("b", prompt(rng, 7, audio_out=True), GREEDY, GREEDY, max_new_tokens=20,
+                             min_new_tokens=20)
+
+    async def main() -> tuple[list[Event], list[Event], bool, list[str]]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(async_scheduling=True))
+        core = engine.core
+        launch_sample = core.runner.launch_sample
+        fired: list[bool] = []
+
+        def failing(*args: object, **kwargs: object) -> object:
+            if "a" not in core.scheduler.seqs and "b" in core.scheduler.seqs and not fired:
+                fired.append(True)
+                raise RuntimeError("out of memory while launching the sampling")
+            return launch_sample(*args, **kwargs)  # type: ignore[arg-type]
+
+        core.runner.launch_sample = failing  # type: ignore[method-assign]
+        streams = [engine.generate(short), engine.generate(long)]
+        a, b = await asyncio.gather(*[_collect(s) for s in streams])
+        left = list(engine._streams)
+        await engine.shutdown()
+        return a, b, bool(fired), left
+
+    a, b, fired, left = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert fired
+    want_rows, _ = reference_rows(model, short)
+    assert [e.codes[0] for e in a if isinstance(e, AudioCodes)] == [code for _, code in want_rows]
+    assert a[-1] == Finished("length", 6, 2, 2, 0)
+    assert b[-1].reason == "error" and b[-1].error == (
+        "engine step failed: RuntimeError('out of memory while launching the sampling')")
+    assert left == []
+
+
+def test_an_expiry_computed_by_a_step_that_then_fails_is_delivered(model: MossSpeechForCausalLM) -> None:
+    """Synchronous steps: a step expires the waiting request b (queue timeout), then fails while preparing
+    its input. b's Finished (its timeout error) was produced first: b gets it instead of hanging."""
+    rows = prompt(random.Random(32), 6, audio_out=True)
+
+    async def main() -> tuple[Event, bool]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(max_num_running=1, queue_timeout_s=0.3,
+                                                               async_scheduling=False))
+        prepare = engine.core.runner.prepare
+        fired: list[bool] = []
+
+        def failing(out: object) -> object:
+            if "b" not in engine.core.scheduler.seqs and "b" in engine._streams and not fired:
+                fired.append(True)  # b was expired in this very step
+                raise RuntimeError("failure while preparing the step")
+            return prepare(out)  # type: ignore[arg-type]
+
+        engine.core.runner.prepare = failing  # type: ignore[method-assign]
+        a = engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=400, min_new_tokens=400))
+        await anext(a)
+        b = engine.generate(GenerationRequest("b", rows, GREEDY, GREEDY, max_new_tokens=4))  # waits behind a
+        first = await asyncio.wait_for(anext(b), timeout=20)
+        await a.aclose()
+        await engine.shutdown()
+        return first, bool(fired)
+
+    first, fired = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert fired
+    assert isinstance(first, Finished) and first.reason == "error"
+    assert first.error == "request waited more than 0.3 s in the queue"
+
+
+async def _collect(stream: object) -> list[Event]:
+    return [event async for event in stream]  # type: ignore[attr-defined]
+
+
 def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpeechForCausalLM) -> None:
     rows = prompt(random.Random(12), 6, audio_out=True)
 
