@@ -9,7 +9,10 @@ Semantics follow the facts sheet and Hugging Face ``generate``:
 - repetition penalty (HF semantics) covers each channel's own history: the prompt rows and the generated
   rows of that channel, as appended (so the text history holds MODALITY_PAD for rows sampled in audio
   mode, and the audio history holds AUDIO_PAD for prompt text rows);
-- temperature 0 means greedy: argmax after masks and penalty, ties to the lowest index;
+- temperature 0 means greedy: argmax after masks and penalty, ties to the lowest index; so does any
+  temperature below ``GREEDY_BELOW`` (1e-5): dividing logits by it can overflow float32 (a temperature
+  under ~1e-45 even rounds to 0 there, and the draw returned index 0), and a draw at it is the argmax
+  unless logits (nearly) tie;
 - in audio mode the sampled text token is overwritten with MODALITY_PAD (see :mod:`runtime.modality`).
 
 Reproducibility: each :class:`RequestSampler` draws exactly two uniforms per step (text, then audio) from a
@@ -62,6 +65,10 @@ def splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+# Temperatures below this sample as greedy (see the module docstring).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one channel (text or audio); defaults are upstream's; temperature 0 = greedy.
@@ -100,8 +107,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether this channel takes the argmax instead of drawing."""
-        return self.temperature == 0
+        """Whether this channel takes the argmax instead of drawing (temperature below GREEDY_BELOW)."""
+        return self.temperature < GREEDY_BELOW
 
 
 class _ChannelHistory:

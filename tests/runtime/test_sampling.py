@@ -145,6 +145,19 @@ def test_greedy_ties_pick_lowest_index() -> None:
     assert step(s, {1: 3.0, 4: 3.0, 9: 3.0}, {2: 5.0, 6: 5.0}, SMALL_TEXT_VOCAB) == (1, 2)
 
 
+@pytest.mark.parametrize("temperature", [1e-46, 1e-40, 9.9e-6])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature: float) -> None:
+    """Below GREEDY_BELOW a temperature is greedy. 1e-46 rounds to 0 in float32, and the draw used to return
+    index 0 instead of the argmax; 1e-40 scales the logits past float32's range. As greedy, the tie between
+    indices 3 and 5 goes to the lowest index on every draw."""
+    params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    params.validate()
+    assert params.is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    logits = torch.tensor([[0.0, -1.0, -2.0, 30.0, -0.5, 30.0]]).repeat(3, 1)
+    picks = sample_tokens(logits, [params] * 3, torch.tensor([0.0, 0.5, 0.999]))
+    assert picks.tolist() == [3, 3, 3]
+
+
 def test_sample_tokens_inverse_cdf_exact() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]])).repeat(4, 1)  # [4, 3]
     uniforms = torch.tensor([0.1, 0.6, 0.9, 0.0])
