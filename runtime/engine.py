@@ -668,6 +668,7 @@ class EngineCore:
                 events.append((rid, TextDelta(text)))
         code = seq.sampler.last_output_code
         if code is not None:
+            seq.num_codes_sent += 1
             if len(seq.code_times) < TIMELINE_CODES:
                 seq.code_times.append(time.time())
             events.append((rid, AudioCodes((code,))))
@@ -685,7 +686,7 @@ class EngineCore:
             events.append((seq.request_id, TextDelta(tail)))
         finished = Finished(
             reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_rows, num_generated_tokens=seq.num_generated,
-            num_audio_codes=len(seq.sampler.audio_codes), num_cached_prompt_tokens=seq.num_cached_tokens,
+            num_audio_codes=seq.num_codes_sent, num_cached_prompt_tokens=seq.num_cached_tokens,
             error=seq.error, timeline=Timeline(seq.arrived_at, seq.first_scheduled_at, tuple(seq.code_times)),
         )
         events.append((seq.request_id, finished))
@@ -792,7 +793,9 @@ class Engine:
                 yield event
         finally:
             if not is_done:
-                self.abort(request.request_id)
+                with self._lock:  # only this stream's request: the id may be in use again by a newer one
+                    if self._streams.get(request.request_id) is stream:
+                        self._deliver(self.core.abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
         """Free the request's blocks now; its stream ends with Finished("abort"). No-op when not in flight."""

@@ -66,6 +66,9 @@ class Sequence:
         self.arrived_at = time.time()
         self.first_scheduled_at: float | None = None
         self.code_times: list[float] = []
+        # audio codes handed out as events (a code sampled for a row the request never accepts, as when it is
+        # aborted while its step runs, is not one): Finished.num_audio_codes
+        self.num_codes_sent = 0
 
     @property
     def num_rows(self) -> int:

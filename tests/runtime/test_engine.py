@@ -576,6 +576,45 @@ def test_an_expiry_computed_by_a_step_that_then_fails_is_delivered(model: MossSp
     assert first.error == "request waited more than 0.3 s in the queue"
 
 
+def test_an_abort_during_the_forward_counts_only_the_codes_sent(model: MossSpeechForCausalLM) -> None:
+    """Synchronous steps run the forward and sampling outside the engine's lock (Engine._run_one_step): an
+    abort that lands there must not count the code sampled for a row the request never accepts."""
+    rows = prompt(random.Random(33), 6, audio_out=True)
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=False))
+    core.add_request(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=10, min_new_tokens=10))
+    events = [e for _ in range(3) for _, e in core.step()]
+    begun, out, inp = core.begin_step()
+    assert begun == [] and inp is not None
+    sampled, step_s = core.run_model(inp)  # the fourth code is sampled here
+    events += [e for _, e in core.abort("a")]  # Engine.abort from the caller's loop meanwhile
+    assert core.end_step(out, sampled, step_s) == []  # the aborted request accepts no row
+    codes = [c for e in events if isinstance(e, AudioCodes) for c in e.codes]
+    assert len(codes) == 3 and events[-1] == Finished("abort", 6, 3, 3, 0)
+
+
+def test_closing_a_finished_requests_stream_leaves_a_newer_request_with_its_id_alone(
+        model: MossSpeechForCausalLM) -> None:
+    """Request x has finished (its Finished is queued, unread) and its id is in use again: closing the old
+    stream aborts nothing; the new request runs to its end."""
+    rows = prompt(random.Random(34), 6, audio_out=True)
+
+    async def main() -> list[Event]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        old = engine.generate(GenerationRequest("x", rows, GREEDY, GREEDY, max_new_tokens=2, min_new_tokens=2))
+        await anext(old)
+        while "x" in engine._streams:  # the engine has delivered x's Finished to the old stream
+            await asyncio.sleep(0.005)
+        new = engine.generate(GenerationRequest("x", rows, GREEDY, GREEDY, max_new_tokens=40, min_new_tokens=40))
+        first = await anext(new)
+        await old.aclose()  # the old consumer walks away without reading its Finished
+        rest = [first] + [e async for e in new]
+        await engine.shutdown()
+        return rest
+
+    events = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert events[-1].reason == "length" and events[-1].num_generated_tokens == 40
+
+
 async def _collect(stream: object) -> list[Event]:
     return [event async for event in stream]  # type: ignore[attr-defined]
 
