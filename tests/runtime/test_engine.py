@@ -1002,6 +1002,37 @@ def test_logits_without_a_valid_draw_end_that_request_only(model: MossSpeechForC
     assert core.stats().num_blocks_used == 0
 
 
+def test_broken_logits_of_an_aborted_request_spare_a_new_request_with_its_id(model: MossSpeechForCausalLM) -> None:
+    """Synchronous steps: request x is aborted while its step's forward runs (outside the engine's lock), and
+    the id is taken again at once; the step's logits for the old x have no valid draw. The new x is not
+    ended for them: it runs to its end with the reference's rows."""
+    rows = prompt(random.Random(35), 6, audio_out=True)
+    request = GenerationRequest("x", rows, GREEDY, GREEDY, max_new_tokens=4, min_new_tokens=4)
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=False))
+    forward = core.runner.forward
+
+    def poisoned(inp: ModelInput, feed: RowFeed | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        text, audio = forward(inp, feed)
+        return text, torch.full_like(audio, math.nan)
+
+    core.add_request(request)
+    core.step()  # x's prefill and first row
+    core.runner.forward = poisoned  # type: ignore[method-assign]
+    _, out, inp = core.begin_step()
+    assert inp is not None
+    sampled, step_s = core.run_model(inp)
+    assert sampled == {"x": None}
+    aborted = [e for _, e in core.abort("x")]
+    assert aborted[-1].reason == "abort"
+    core.runner.forward = forward  # type: ignore[method-assign]
+    new = core.add_request(request)
+    assert core.end_step(out, sampled, step_s) == []
+    assert core.num_broken_logits == 0 and core.scheduler.seqs["x"] is new
+    events = [e for _ in range(12) for _, e in core.step()]
+    assert events[-1] == Finished("length", 6, 4, 4, 4)  # its first prompt block from the prefix cache
+    assert generated(new) == reference_rows(model, request)[0]
+
+
 @pytest.mark.parametrize("async_steps", ASYNC_STEPS)
 def test_first_audio_hold_pauses_decoding_and_changes_no_row(model: MossSpeechForCausalLM, async_steps: bool) -> None:
     # Hold after code 2. Asynchronous steps have the step computing code 3 on the GPU when code 2 is read,
