@@ -100,6 +100,11 @@ class ModelConfig:
             raise ConfigError(f"sosp_token_id {self.sosp_token_id} outside the text vocab")
         if not 0 <= self.eosp_token_id < self.audio_vocab_size:
             raise ConfigError(f"eosp_token_id {self.eosp_token_id} outside the audio vocab")
+        # the prompts, the modality state machine and the sampler use these ids as constants
+        for name, used in (("modality_pad_token_id", MODALITY_PAD_ID), ("sosp_token_id", SOSP_ID),
+                           ("eosp_token_id", EOSP_ID)):
+            if getattr(self, name) != used:
+                raise ConfigError(f"{name} {getattr(self, name)} is not the id this runtime uses ({used})")
 
     @property
     def num_hidden_layers(self) -> int:
@@ -114,6 +119,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a parsed config.json, validating the fields this runtime depends on."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type != MODEL_TYPE:
             raise ConfigError(f"unsupported model_type {model_type!r}; expected {MODEL_TYPE!r}")
@@ -142,8 +149,12 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"no config.json in {path}")
-        with config_path.open(encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+        try:
+            with config_path.open(encoding="utf-8") as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{config_path} is not valid JSON: {exc}") from None
+        return cls.from_hf_dict(data)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json content for this config (HF field names)."""

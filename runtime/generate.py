@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import torch
+
 from runtime.engine import EngineConfig, EngineCore
 from runtime.errors import EngineError
 from runtime.prompts import ChatMessage, build_prompt_rows
@@ -39,7 +41,12 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fast-path", action="store_true",
                         help="fused weights, Triton kernels and decode CUDA graphs on cuda (docs/gpu.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device: {exc}")  # exit 2, as for any other bad option
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +89,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Seq[str] | None = None) -> int:
-    """Entry point; exit code 2 for a rejected request."""
+    """Entry point: exit code 0 when the generation ended normally, 2 for a rejected request or model (bad
+    options, a checkpoint that does not load), 1 when the generation itself ended with an error (the
+    result is printed first)."""
     args = parse_args(argv)
     try:
         result = run(args)
@@ -98,6 +107,9 @@ def main(argv: Seq[str] | None = None) -> int:
             f"codes, prefill {result['prefill_ms']:.1f} ms, decode {result['decode_ms_per_step']:.1f} ms/step",
             file=sys.stderr,
         )
+    if result["finish_reason"] == "error":
+        print(f"error: generation failed: {result['error']}", file=sys.stderr)
+        return 1
     return 0
 
 

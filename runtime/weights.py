@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -23,6 +24,9 @@ from runtime.tokenizer import Tokenizer
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHOWN_KEYS = 5
+# stored types that are cast to the load dtype; anything else (integers, bools, FP8 codes without their
+# scales) would load as wrong values
+FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
 class CheckpointError(ValueError):
@@ -40,10 +44,7 @@ def _checkpoint_files(path: Path) -> dict[str, list[str]]:
     """Map each safetensors file of the checkpoint to the keys it holds (checked against the index)."""
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        with index_path.open(encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f).get("weight_map") or {}
-        if not weight_map:
-            raise CheckpointError(f"{index_path} has no weight_map")
+        weight_map = _read_weight_map(index_path)
         file_names = sorted(set(weight_map.values()))
     elif (path / SINGLE_FILE).is_file():
         weight_map, file_names = {}, [SINGLE_FILE]
@@ -55,7 +56,7 @@ def _checkpoint_files(path: Path) -> dict[str, list[str]]:
         file_path = path / name
         if not file_path.is_file():
             raise CheckpointError(f"checkpoint file {name} listed in {INDEX_FILE} is missing from {path}")
-        with safe_open(str(file_path), framework="pt") as f:
+        with _open(file_path) as f:
             keys = list(f.keys())
         duplicated = [k for k in keys if k in owner]
         if duplicated:
@@ -72,6 +73,35 @@ def _checkpoint_files(path: Path) -> dict[str, list[str]]:
                 f"{_few(unlisted) if unlisted else 'none'}"
             )
     return files
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """The index's tensor -> file map; each file a plain name inside the checkpoint folder."""
+    try:
+        with index_path.open(encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index_path} is not valid JSON: {exc}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not weight_map:
+        raise CheckpointError(f"{index_path} has no weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
+    for name in sorted(set(weight_map.values())):
+        # (a check of the name, not of the resolved path: a Hugging Face cache snapshot holds symlinks into
+        # its blob store, outside the folder)
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise CheckpointError(f"{index_path} names {name!r}: shard files must be plain names in the folder")
+    return weight_map
+
+
+def _open(file_path: Path, **kwargs: str) -> Any:
+    """`safe_open`, a file that is not valid safetensors (truncated, say) a CheckpointError naming it."""
+    try:
+        return safe_open(str(file_path), framework="pt", **kwargs)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{file_path} is not a readable safetensors file: {exc}") from None
 
 
 def _safetensors_device(device: torch.device) -> str:
@@ -108,18 +138,25 @@ def load_pretrained(
 
     device = torch.device(device)
     mismatched: list[str] = []
+    wrong_types: list[str] = []
     for name, keys in files.items():
-        with safe_open(str(path / name), framework="pt") as f:
+        with _open(path / name) as f:
             for key in keys:
-                shape = tuple(f.get_slice(key).get_shape())
+                stored_slice = f.get_slice(key)
+                shape = tuple(stored_slice.get_shape())
                 if shape != expected[key]:
                     mismatched.append(f"{key}: checkpoint {list(shape)} vs model {list(expected[key])}")
+                if stored_slice.get_dtype() not in FLOAT_DTYPES:
+                    wrong_types.append(f"{key}: {stored_slice.get_dtype()}")
     if mismatched:
         raise CheckpointError(f"wrong tensor shapes ({len(mismatched)}): " + "; ".join(sorted(mismatched)[:5]))
+    if wrong_types:
+        raise CheckpointError(f"tensors of a type other than {', '.join(FLOAT_DTYPES)} ({len(wrong_types)}): "
+                              + "; ".join(sorted(wrong_types)[:5]))
 
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for name, keys in files.items():
-            with safe_open(str(path / name), framework="pt", device=_safetensors_device(device)) as f:
+            with _open(path / name, device=_safetensors_device(device)) as f:
                 for key in keys:
                     tensor = f.get_tensor(key)
                     if tensor.dtype != dtype:

@@ -42,3 +42,31 @@ def test_cli_rejects_over_long_request() -> None:
     assert proc.returncode == 2
     assert "exceeds max_model_len (4096)" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_cli_refuses_an_unknown_device_as_a_bad_option() -> None:
+    proc = cli("--text", "Hi", "--device", "bogus")
+    assert proc.returncode == 2 and "error: --device: Expected one of cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_generation_that_ends_with_an_error_exits_1(tmp_path: Path) -> None:
+    """A checkpoint whose audio head is NaN: the result is printed, with finish_reason "error", and the exit
+    code says the generation failed (it was 0)."""
+    import torch
+
+    from runtime.config import ModelConfig
+    from runtime.model import build_model
+    from runtime.weights import save_checkpoint
+
+    model = build_model(ModelConfig.preset("tiny").replace(num_shared_layers=2, num_modality_layers=1), seed=5)
+    with torch.no_grad():
+        model.audio_lm_head.weight.fill_(math.nan)
+    save_checkpoint(model, tmp_path)
+    proc = cli("--model", str(tmp_path), "--text", "Hi", "--max-new-tokens", "4", "--json")
+    assert proc.returncode == 1
+    result = json.loads(proc.stdout)
+    assert (result["finish_reason"], result["error"]) == (
+        "error", "the model produced non-finite logits (NaN or inf) for this request")
+    assert proc.stderr.strip().endswith(
+        "error: generation failed: the model produced non-finite logits (NaN or inf) for this request")

@@ -150,6 +150,67 @@ def test_missing_weights_file_and_missing_shard(small_checkpoint: Path, tmp_path
         load_pretrained(sharded, device="cpu", dtype=torch.float32, progress=False)
 
 
+def test_tensors_that_are_not_floating_point_are_rejected_by_name(small_checkpoint: Path, tmp_path: Path) -> None:
+    """An integer, bool or FP8 tensor would be cast to garbage: refused, named (floats of any width load)."""
+    def retype(t: dict) -> None:
+        t["model.text_norm.weight"] = t["model.text_norm.weight"].bool()
+        down = "model.shared_block.layers.0.mlp.down_proj.weight"
+        t[down] = (t[down] * 1000).to(torch.int64)
+        t["model.audio_norm.weight"] = t["model.audio_norm.weight"].half()  # a float: cast, fine
+
+    path = mutated_copy(small_checkpoint, tmp_path / "ckpt", retype)
+    with pytest.raises(CheckpointError, match=r"tensors of a type other than BF16, F16, F32 \(2\): "
+                       r"model.shared_block.layers.0.mlp.down_proj.weight: I64; model.text_norm.weight: BOOL$"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/tmp/elsewhere.safetensors", "sub/x.safetensors",
+                                   ".."])
+def test_a_shard_index_naming_a_file_outside_the_folder_is_rejected(small_checkpoint: Path, tmp_path: Path,
+                                                                     shard: str) -> None:
+    path = tmp_path / "sharded"
+    save_checkpoint(build_model(SMALL, seed=4), path, num_shards=2)
+    index = json.loads((path / INDEX_FILE).read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"names '{shard}': shard files must be plain names in the folder"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_a_truncated_shard_or_a_malformed_index_is_a_checkpoint_error(small_checkpoint: Path, tmp_path: Path) -> None:
+    path = tmp_path / "sharded"
+    save_checkpoint(build_model(SMALL, seed=4), path, num_shards=2)
+    index = (path / INDEX_FILE).read_text()
+    (path / INDEX_FILE).write_text(json.dumps({"weight_map": ["model-00001-of-00002.safetensors"]}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to file names"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+    (path / INDEX_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not valid JSON"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+    (path / INDEX_FILE).write_text(index)
+    shard = path / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors is not a readable safetensors file"):
+        load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_config_json_must_be_an_object_and_keep_the_runtimes_special_ids(small_checkpoint: Path,
+                                                                         tmp_path: Path) -> None:
+    good = ModelConfig.preset("full").to_hf_dict()
+    with pytest.raises(ConfigError, match=r"sosp_token_id 151650 is not the id this runtime uses \(151646\)"):
+        ModelConfig.from_hf_dict({**good, "sosp_token_id": 151650})
+    with pytest.raises(ConfigError, match=r"eosp_token_id 16000 is not the id this runtime uses \(16384\)"):
+        ModelConfig.from_hf_dict({**good, "eosp_token_id": 16000})
+    with pytest.raises(ConfigError, match="config.json must hold a JSON object, got list"):
+        ModelConfig.from_hf_dict([good])  # type: ignore[arg-type]
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        ModelConfig.from_pretrained_dir(folder)
+
+
 def test_config_layer_count_and_model_type_are_validated() -> None:
     good = ModelConfig.preset("full").to_hf_dict()
     assert ModelConfig.from_hf_dict(good) == ModelConfig.preset("full")
