@@ -25,6 +25,8 @@ DEPLOYMENT_OPTION_KEYS = frozenset({
 DEFAULT_LLM_OPTIONS: dict[str, Any] = {"num_cpus": 0.5, "num_gpus": 0, "max_ongoing_requests": 256}
 DEFAULT_VOCODER_OPTIONS: dict[str, Any] = {"num_cpus": 0.5, "num_gpus": 0, "max_ongoing_requests": 256}
 DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"num_cpus": 0.25, "max_ongoing_requests": 512}
+DEFAULT_OPTIONS = {"llm_options": DEFAULT_LLM_OPTIONS, "vocoder_options": DEFAULT_VOCODER_OPTIONS,
+                   "ingress_options": DEFAULT_INGRESS_OPTIONS}
 
 
 def _check_options(value: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +52,7 @@ class AppArgs(BaseModel):
     # Passed as keyword arguments to runtime.engine.EngineConfig (model, device, dtype, block_size,
     # kv_cache_bytes, max_num_running, max_num_waiting, max_model_len, ...).
     engine: dict[str, Any] = Field(default_factory=lambda: {"model": "tiny", "device": "cpu"})
-    # Name used in responses and accepted in requests' `model` field (any value is accepted if None).
+    # Name used in responses; a request's `model` field must be this name (else a 404 model_not_found).
     served_model_name: str = "moss-speech"
     vocoder_preset: Literal["tiny", "full"] = "tiny"
     vocoder_device: str = "cpu"
@@ -148,8 +150,10 @@ class AppArgs(BaseModel):
 
     @field_validator("llm_options", "vocoder_options", "ingress_options")
     @classmethod
-    def _validate_options(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _check_options(value)
+    def _validate_options(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # the options given replace the defaults one by one, not as a whole: `llm_options: {env_vars: ...}`
+        # alone would otherwise drop max_ongoing_requests to Serve's 5
+        return {**DEFAULT_OPTIONS[info.field_name], **_check_options(value)}
 
     @field_validator("vocoder_chunk_schedule_codes", "vocoder_light_load_schedule_codes")
     @classmethod
@@ -179,6 +183,9 @@ class AppArgs(BaseModel):
             raise ValueError(f"vocoder_memory_cap_bytes needs vocoder_device cuda, got {self.vocoder_device!r}")
         if self.vocoder_background_yield != "off" and self.vocoder_fast_lane_code_budget is None:
             raise ValueError("vocoder_background_yield needs vocoder_fast_lane_code_budget")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must not exceed "
+                             f"max_new_tokens_limit ({self.max_new_tokens_limit})")
         urgent = self.vocoder_urgent_step_code_budget
         if urgent is not None and urgent < self.vocoder_step_code_budget:
             raise ValueError(f"vocoder_urgent_step_code_budget ({urgent}) must be at least "
@@ -190,6 +197,12 @@ class AppArgs(BaseModel):
     def _validate_engine(cls, value: dict[str, Any]) -> dict[str, Any]:
         if "model" not in value:
             raise ValueError("engine.model is required (a preset name such as 'tiny' or a checkpoint dir)")
+        from runtime.engine import EngineConfig
+
+        try:  # the replica builds EngineConfig(**engine): a wrong key or value fails here, at build time
+            EngineConfig(**value)
+        except TypeError as exc:
+            raise ValueError(f"engine: {exc}".replace("EngineConfig.__init__() ", "")) from None
         return value
 
 

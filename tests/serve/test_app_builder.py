@@ -73,6 +73,18 @@ def test_the_vocoder_call_timeout_and_retry_after_reach_the_vocoder_replica() ->
     assert tuned.init_kwargs == {"call_timeout_s": 7.5, "retry_after_s": 4.0}
 
 
+def test_deployment_options_given_replace_the_defaults_one_by_one() -> None:
+    """`llm_options: {env_vars: ...}` alone (as docs/operations.md shows) keeps the other defaults: the LLM
+    replica still takes 256 requests at once, not Serve's 5."""
+    args = AppArgs.model_validate({"llm_options": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "90"}},
+                                   "ingress_options": {"max_ongoing_requests": 64}})
+    assert args.llm_options == {"num_cpus": 0.5, "num_gpus": 0, "max_ongoing_requests": 256,
+                                "env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "90"}}
+    assert args.ingress_options == {"num_cpus": 0.25, "max_ongoing_requests": 64}
+    llm = deployments_of(args.model_dump())["LLMServer"]
+    assert llm.max_ongoing_requests == 256 and llm.ray_actor_options["num_cpus"] == 0.5
+
+
 def test_gpu_config_uses_the_ops_autoscaling_policies() -> None:
     args = yaml_args("serve-4090.yaml")
     args["require_gpus_at_start"] = False
@@ -136,6 +148,12 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
      "Input should be 'off', 'first_chunk' or 'newcomer'"),
     ({"vocoder_yield_max_s": 0}, "greater than 0"),
     ({"vocoder_call_timeout_s": 0}, "greater than 0"),
+    # the engine's settings are EngineConfig's, checked at build time instead of failing every replica
+    ({"engine": {"model": "tiny", "max_model_length": 8192}},
+     "engine: got an unexpected keyword argument 'max_model_length'"),
+    ({"engine": {"model": "tiny", "dtype": "bf16"}}, "dtype must be one of ['bfloat16', 'float16', 'float32']"),
+    ({"default_max_new_tokens": 1024, "max_new_tokens_limit": 100},
+     "default_max_new_tokens (1024) must not exceed max_new_tokens_limit (100)"),
     ({"vocoder_memory_cap_bytes": 2**30}, "vocoder_memory_cap_bytes needs vocoder_device cuda, got 'cpu'"),
     ({"vocoder_memory_cap_bytes": 0, "vocoder_device": "cuda"}, "greater than or equal to 1"),
 ])
