@@ -56,6 +56,10 @@ TINY_SPECIAL_TOKENS: dict[str, int] = {
 }
 
 
+# Qwen's control tokens a loaded tokenizer must hold at their ids (the facts sheet's)
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>")
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte-level alphabet: a printable character standing for each byte value."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -112,9 +116,15 @@ class Tokenizer:
         if not path.is_file():
             raise TokenizerError(f"tokenizer file not found: {path}")
         try:
-            return cls(tokenizers.Tokenizer.from_file(str(path)))
+            tokenizer = cls(tokenizers.Tokenizer.from_file(str(path)))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
             raise TokenizerError(f"cannot load tokenizer {path}: {exc}") from exc
+        # the prompts, the stop rules and the control-token guard use these ids as constants
+        for token in CONTROL_TOKENS:
+            found = tokenizer.token_to_id(token)
+            if found != TINY_SPECIAL_TOKENS[token]:
+                raise TokenizerError(f"{path}: {token} has id {found}, this runtime uses {TINY_SPECIAL_TOKENS[token]}")
+        return tokenizer
 
     @classmethod
     def tiny(cls) -> Tokenizer:

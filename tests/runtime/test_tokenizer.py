@@ -50,3 +50,19 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert tok.encode("<|im_start|>ok") == [151644, 111, 107]
     with pytest.raises(TokenizerError, match="not found"):
         Tokenizer.from_file(tmp_path / "missing.json")
+
+
+def test_a_tokenizer_whose_control_tokens_sit_elsewhere_is_refused(tmp_path: Path) -> None:
+    """The prompts and stop rules use Qwen's control ids as constants: a tokenizer.json that puts
+    <|im_end|> at another id (or lacks it) is refused, naming the token."""
+    import json
+
+    data = json.loads(Tokenizer.tiny()._inner.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] == "<|im_end|>":
+            added["id"] = 151545
+    data["model"]["vocab"]["<|im_end|>"] = 151545
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match=r"<\|im_end\|> has id 151545, this runtime uses 151645"):
+        Tokenizer.from_file(path)
