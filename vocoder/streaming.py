@@ -460,8 +460,9 @@ class StreamingVocoder:
             if not self.is_low_latency:
                 raise ValueError(f"a schedule needs low latency, got {schedule!r}")
             chosen = check_schedule(schedule, self.overlap_samples, "schedule")
-        if len(self._lanes) > 1 and self.pool.num_used + len(specs) > self.pool.capacity:
-            self.reserve_sessions(2 * self.pool.capacity)  # grow while no lane runs, not inside `allocate`
+        # grow while no lane runs, not inside `allocate`: as often as it takes for all of `specs`
+        while len(self._lanes) > 1 and self.pool.num_used + len(specs) > self.pool.capacity:
+            self.reserve_sessions(2 * self.pool.capacity)
         sessions = []
         with torch.inference_mode(), self._in_lane(lane):
             for v, (_, seed) in zip(voices, specs):
@@ -538,6 +539,8 @@ class StreamingVocoder:
 
     def close(self, session: VocoderSession) -> None:
         """Drop a session without producing more audio (abort); idempotent."""
+        if not isinstance(session, VocoderSession):
+            raise TypeError(f"expected a VocoderSession, got {type(session).__name__}")
         if not session.is_closed:
             session.is_closed = True
             self.pool.release(session.slot)
@@ -705,9 +708,14 @@ class StreamingVocoder:
     def _chunk_ends(self, s: VocoderSession, finishing: bool, extra_codes: int = 0) -> list[int]:
         """Absolute frames at which the chunks this step computes end, in order (empty: nothing yet);
         `extra_codes`: as if that many more codes had been pushed."""
-        if finishing:
-            return [_F * s.num_codes] if _F * s.num_codes > s.emitted_frames else []
         final_frames = _F * max(0, s.num_codes + extra_codes - LOOKAHEAD_CODES)
+        if finishing:  # the chunks a step would still compute from the codes pushed, then the tail
+            end = _F * s.num_codes
+            if end <= s.emitted_frames:
+                return []
+            scheduled = (scheduled_chunk_ends(s.emitted_frames, s.num_chunks, final_frames, s.schedule,
+                                              self.right_context) if self.is_low_latency else [])
+            return [e for e in scheduled if e < end] + [end]
         stream = self.config.stream
         if self.is_low_latency:
             return scheduled_chunk_ends(s.emitted_frames, s.num_chunks, final_frames, s.schedule, self.right_context)

@@ -60,6 +60,12 @@ class Voice:
         missing = {"speaker_embedding", "prompt_codes", "prompt_mel"} - tensors.keys()
         if missing:
             raise ValueError(f"voice file {path} lacks {sorted(missing)}")
+        # checked before the casts below, which would turn float codes into integers without a word
+        if tensors["prompt_codes"].is_floating_point() or tensors["prompt_codes"].dtype == torch.bool:
+            raise ValueError(f"voice file {path}: prompt_codes must be integers, got {tensors['prompt_codes'].dtype}")
+        for key in ("speaker_embedding", "prompt_mel"):
+            if not tensors[key].is_floating_point():
+                raise ValueError(f"voice file {path}: {key} must be floating point, got {tensors[key].dtype}")
         return cls(
             name=name or path.stem,
             speaker_embedding=tensors["speaker_embedding"].float(),

@@ -137,6 +137,24 @@ def test_voice_validation() -> None:
         Voice("x", good.speaker_embedding[:10], good.prompt_codes, good.prompt_mel)
 
 
+def test_a_voice_file_of_the_wrong_types_is_refused_before_any_cast(tmp_path: Path) -> None:
+    """Float prompt codes would be truncated to integers by the load's cast: refused, as the constructor
+    refuses them; so are integer embeddings or mels."""
+    from safetensors.torch import save_file
+
+    good = make_voice()
+    tensors = {"speaker_embedding": good.speaker_embedding, "prompt_codes": good.prompt_codes.float() + 0.9,
+               "prompt_mel": good.prompt_mel}
+    save_file(tensors, str(tmp_path / "floaty.safetensors"))
+    with pytest.raises(ValueError, match="prompt_codes must be integers, got torch.float32"):
+        Voice.load(tmp_path / "floaty.safetensors")
+    tensors = {"speaker_embedding": good.speaker_embedding.long(), "prompt_codes": good.prompt_codes,
+               "prompt_mel": good.prompt_mel}
+    save_file(tensors, str(tmp_path / "intspeaker.safetensors"))
+    with pytest.raises(ValueError, match="speaker_embedding must be floating point, got torch.int64"):
+        Voice.load(tmp_path / "intspeaker.safetensors")
+
+
 def test_state_pool_grows_and_keeps_slots() -> None:
     pool = FlowStatePool(
         [(3, 2), (5, 1)], num_steps=2, num_branches=2, device="cpu", dtype=torch.float32, capacity=1

@@ -119,6 +119,29 @@ def test_pool_growth_waits_for_a_lane_call_in_progress() -> None:
     assert voc.pool.capacity == capacity + 4
 
 
+def test_a_large_open_grows_the_pool_before_its_lane_call() -> None:
+    """With two lanes, opening more sessions than twice the pool's capacity grows the pool beforehand, as
+    often as it takes, never inside the lane call (where another lane's step may read the pool)."""
+    voc = StreamingVocoder.from_preset("tiny")
+    voc.add_lane()
+    grow = voc.pool._grow
+    busy_at_growth: list[int] = []
+
+    def spy(new: int) -> None:
+        busy_at_growth.append(voc._busy)
+        grow(new)
+
+    voc.pool._grow = spy  # type: ignore[method-assign]
+    capacity = voc.pool.capacity
+    sessions = voc.open_many([("default", i) for i in range(2 * capacity + 4)])
+    assert len(busy_at_growth) >= 2 and set(busy_at_growth) == {0}
+    assert voc.num_open_sessions == len(sessions) and voc.pool.capacity >= len(sessions)
+    for s in sessions:
+        voc.close(s)
+    with pytest.raises(TypeError, match="expected a VocoderSession, got str"):
+        voc.close("x")  # type: ignore[arg-type]
+
+
 def test_open_on_a_lane_while_another_lane_steps(codes: list[int], single: list[np.ndarray]) -> None:
     # A newcomer's open must not wait for a long step on lane 0: opens run on a lane too, and the
     # priming cache is shared (a second open of the same (voice, seed) restores it on either lane).

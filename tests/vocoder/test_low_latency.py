@@ -133,6 +133,24 @@ def test_a_stream_can_finish_in_the_step_of_another_streams_chunk(
     assert float(np.abs(np.concatenate(a_pcm) - np.concatenate(by_one)).max()) < SAME
 
 
+def test_a_finish_computes_the_scheduled_chunks_its_codes_complete_first(
+    vocoder: StreamingVocoder, codes: list[int], by_one: list[np.ndarray]
+) -> None:
+    """A finish that arrives while chunks of the schedule are still uncomputed (its own codes complete them,
+    or an earlier step stopped at `max_chunks`) computes those chunks, crossfades included, then the tail:
+    the audio equals the stream's pushed one code at a time. (It used to merge them into one tail, which
+    differed by ~4e-2: the audio of decoding the whole utterance at once.)"""
+    want = np.concatenate(by_one)
+    s = vocoder.open("default", seed=SEED)
+    same_call = vocoder.step([(s, codes)], finish=[s])[0]
+    assert s.is_closed and same_call.shape == want.shape
+    assert float(np.abs(same_call - want).max()) < SAME
+    s = vocoder.open("default", seed=SEED)
+    first = vocoder.step([(s, codes)], max_chunks=1)[0]
+    stopped = np.concatenate([first, vocoder.finish(s)])
+    assert len(first) > 0 and float(np.abs(stopped - want).max()) < SAME
+
+
 def test_close_to_whole_and_exact_outside_crossfades(by_one: list[np.ndarray], reference: np.ndarray) -> None:
     pcm = np.concatenate(by_one)
     assert pcm.shape == reference.shape and np.isfinite(pcm).all()
