@@ -19,6 +19,10 @@ value per signal and classifies the tick:
   the quiet clock then restarts.
 - anything else (between the thresholds, or no metrics yet): hold, and restart the quiet clock.
 
+A tick that is not quiet also drops a lower desired count that Ray has not carried out (its own
+``downscale_delay_s`` still running, or its cold start from zero replicas): the policy then asks for Ray's
+current target, so Ray never removes a replica from a fleet that turned busy meanwhile.
+
 The policy keeps its own desired count in the state and returns it every tick, so Ray's own
 ``upscale_delay_s`` / ``downscale_delay_s`` (applied on top of custom policies) still work; set them to 0
 to let this policy's cooldown and quiet period alone govern timing. The result is always clamped to
@@ -89,8 +93,10 @@ class HysteresisPolicy:
         self.quiet_period_s = float(quiet_period_s)
         self.step = int(step)
 
-    def classify(self, metrics: Mapping[str, Mapping[Any, float]]) -> tuple[str, str]:
-        """Return ``(verdict, reason)``; verdict is ``"hot"``, ``"quiet"``, ``"hold"`` or ``"no_data"``."""
+    def classify(self, metrics: Mapping[str, Mapping[Any, float]], min_replicas: int = 1) -> tuple[str, str]:
+        """Return ``(verdict, reason)``; verdict is ``"hot"``, ``"quiet"``, ``"hold"`` or ``"no_data"``.
+        Load-proportional signals are projected onto the fleet a step down would leave, which is never
+        smaller than ``min_replicas``."""
         quiet = True
         missing = []
         for signal in self.signals:
@@ -104,7 +110,7 @@ class HysteresisPolicy:
                 return "hot", f"{signal.metric} {value:.3g} > {signal.high:.3g}"
             if signal.scales_with_load:
                 n = len(values)
-                value = value * n / max(n - self.step, 1)
+                value = value * n / max(n - self.step, min_replicas, 1)
             if not value < signal.low:
                 quiet = False
         if missing:  # any hot signal wins above; without every signal, never call the fleet quiet
@@ -126,7 +132,13 @@ class HysteresisPolicy:
             settled_since = now
         quiet_since = state.get(QUIET_SINCE_KEY)
 
-        verdict, reason = self.classify(ctx.aggregated_metrics or {})
+        verdict, reason = self.classify(ctx.aggregated_metrics or {}, lo)
+        if verdict != "quiet" and desired < ctx.target_num_replicas:
+            # a scale-down not carried out yet (Ray's downscale_delay_s still runs) or one Ray never asked
+            # for (its cold start from 0 replicas) is dropped once the fleet is not quiet: returning the lower
+            # count would let Ray remove a replica from a busy fleet
+            desired = min(ctx.target_num_replicas, hi)
+            settled_since = now if ctx.current_num_replicas == desired else None
         if verdict == "hot":
             quiet_since = None
             is_settled = settled_since is not None and now - settled_since >= self.upscale_cooldown_s

@@ -233,3 +233,56 @@ def test_ray_upscale_delay_still_applies_because_the_policy_repeats_its_decision
         target, state = policy(ctx)
         decisions.append(target)
     assert decisions == [1, 1, 1, 1, 1, 2, 2, 2]
+
+
+def test_a_pending_scale_down_is_dropped_when_the_fleet_turns_hot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Ray's own wrapper with downscale_delay_s 60: the policy asks for 1 replica after a quiet
+    period; the load turns hot before Ray's delay is over. The policy asks for Ray's target (2) again, so
+    Ray never removes a replica from the hot fleet; it adds one once the cooldown has passed."""
+    import types
+
+    import ray.serve.autoscaling_policy as ray_policy
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    clock = [1000.0]
+    monkeypatch.setattr(ray_policy, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4, upscale_delay_s=0, downscale_delay_s=60)
+    policy = ray_policy._apply_autoscaling_config(LLMPolicy(upscale_cooldown_s=30, quiet_period_s=10))
+    hot = {"kv_cache_usage": 0.95, "num_waiting": 4.0, "ttfa_p90_s": 2.0}
+    state: dict[str, Any] = {}
+    target = 2
+    targets, desired = [], []
+    for t in range(0, 91, 5):
+        clock[0] = 1000.0 + t
+        ctx = AutoscalingContext(
+            deployment_id=None, deployment_name="LLM", app_name="moss", current_num_replicas=target,
+            target_num_replicas=target, running_replicas=[], total_num_requests=1.0, total_queued_requests=0.0,
+            raw_metrics={}, aggregated_metrics=per_replica(IDLE_LLM if t < 20 else hot, target),
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=dict(state),
+            last_scale_up_time=None, last_scale_down_time=None, current_time=clock[0], config=config)
+        target, state = policy(ctx)
+        targets.append(target)
+        desired.append(state[DESIRED_KEY])
+    assert desired[2:4] == [1, 1]  # quiet for 10 s: the policy asks for one replica fewer
+    assert min(targets) == 2  # Ray's delay still ran when the load turned hot at t=20: nothing removed
+    assert targets == [2] * 10 + [3] * 7 + [4] * 2  # up at t=50 (30 s after t=20), again at t=85
+
+
+def test_a_cold_started_replica_is_kept_under_load() -> None:
+    """min_replicas 0: Ray starts a replica for the first requests without asking the policy, whose desired
+    count is still 0. Under load the policy keeps that replica (it used to ask for 0 again: a flap)."""
+    policy = LLMPolicy(upscale_cooldown_s=30)
+    hot = {"kv_cache_usage": 0.95, "num_waiting": 4.0, "ttfa_p90_s": 2.0}
+    ctx = FakeContext(1, 1, 0, 4, 100.0, per_replica(hot, 1), {DESIRED_KEY: 0})
+    decision, state = policy(ctx)
+    assert decision == 1 and state[REASON_KEY] == "hot, waiting: kv_cache_usage 0.95 > 0.85"
+    ctx = FakeContext(1, 1, 0, 4, 131.0, per_replica(hot, 1), state)
+    assert policy(ctx)[0] == 2  # settled for the cooldown: one more
+
+
+def test_the_scale_down_projection_stops_at_the_minimum() -> None:
+    """step 2 with min 3 at 4 replicas: a step down can only reach 3, where KV use 0.35 x 4 / 3 = 0.47 is
+    quiet; projected onto 2 replicas (0.70) it was not, and the fleet held at 4 for ever."""
+    policy = LLMPolicy(quiet_period_s=10, step=2)
+    decisions = simulate(policy, [{**IDLE_LLM, "kv_cache_usage": 0.35}] * 12, start=4, lo=3, hi=6)
+    assert decisions == [4] * 10 + [3, 3]
