@@ -149,7 +149,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "active_streams": total(samples, ACTIVE_STREAMS),
         "queued_requests": total(samples, QUEUED),
         "kv_cache_usage": _ratio(kv_used, kv_total),
-        "prefix_cache_hit_rate": _ratio(total(samples, PREFIX_HIT_TOKENS), total(samples, PREFIX_QUERY_TOKENS)),
+        # (the hit counter is exported from its first hit on: absent while tokens were looked up is 0 %)
+        "prefix_cache_hit_rate": _ratio(total(samples, PREFIX_HIT_TOKENS) or 0.0, total(samples, PREFIX_QUERY_TOKENS)),
         "audio_seconds": total(samples, AUDIO_SECONDS),
         "replicas": replicas,
         "errors": {kind: v for (kind,), v in sorted(sum_by(samples, ERRORS, ("kind",)).items())},
@@ -226,7 +227,8 @@ def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
 
 # Counters of events that healthy traffic may never have: Ray exports a counter only after its first
 # increment, so their absence from a scrape is no fault of the service (docs/metrics.md).
-EVENT_COUNTERS = frozenset({"ray_moss_errors_total", "ray_moss_preemptions_total", "ray_moss_engine_step_failures_total"})
+EVENT_COUNTERS = frozenset({"ray_moss_errors_total", "ray_moss_preemptions_total", "ray_moss_engine_step_failures_total",
+                            PREFIX_HIT_TOKENS})
 
 
 def missing_dashboard_metrics(dashboard: dict[str, Any], samples: list[Sample]) -> set[str]:

@@ -145,6 +145,17 @@ def test_missing_dashboard_metrics_lists_names_not_in_the_scrape() -> None:
     assert missing_dashboard_metrics(dashboard, parse_samples(exposition())) == {"ray_moss_nope_total"}
 
 
+def test_no_prefix_cache_hit_yet_is_a_zero_rate_and_no_missing_metric() -> None:
+    """Ray exports the hit counter from the first hit on: tokens looked up without a hit are a 0 % rate
+    (it read as no data), and the counter's absence is no dashboard fault (--check-dashboard exited 1)."""
+    text = "\n".join(line for line in exposition().splitlines() if "prefix_cache_hit_tokens" not in line)
+    samples = parse_samples(text)
+    assert summarize(samples)["prefix_cache_hit_rate"] == 0.0
+    assert "prefix-cache hit rate  0 %" in render(summarize(samples))
+    dashboard = {"panels": [{"targets": [{"expr": "rate(ray_moss_prefix_cache_hit_tokens_total[5m])"}]}]}
+    assert missing_dashboard_metrics(dashboard, samples) == set()
+
+
 class _Handler(BaseHTTPRequestHandler):
     body = exposition().encode()
 
