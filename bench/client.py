@@ -178,8 +178,10 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
     timeline = AudioTimeline(started, result)
     audio = AudioStream(load.response_format)
     try:
-        async with client.stream("POST", load.url + SPEECH_PATH, json=body,
-                                 timeout=httpx.Timeout(load.timeout_s, connect=10.0)) as response:
+        # the whole request, not each read: a server trickling bytes would otherwise keep it alive for ever
+        async with asyncio.timeout(load.timeout_s), client.stream(
+                "POST", load.url + SPEECH_PATH, json=body, timeout=httpx.Timeout(load.timeout_s, connect=10.0),
+        ) as response:
             result.status = response.status_code
             result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
                                       if h in response.headers), None)
@@ -195,6 +197,9 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
     except (httpx.HTTPError, WavFormatError) as exc:
         timeline.finish(time.perf_counter())
         result.error = f"{type(exc).__name__}: {exc}"
+    except TimeoutError:
+        timeline.finish(time.perf_counter())
+        result.error = f"timed out after {load.timeout_s:g} s"
     return result
 
 
@@ -204,7 +209,11 @@ async def _add_server_summary(client: httpx.AsyncClient, load: SpeechLoad, resul
     if response.status_code != 200:
         result.error = f"no server summary for {result.request_id}: HTTP {response.status_code}"
         return
-    summary = response.json()
+    try:
+        summary = response.json()
+    except ValueError:  # not JSON (a proxy's page, say): no summary, the run goes on
+        result.error = f"no server summary for {result.request_id}: the reply is not JSON"
+        return
     result.num_audio_codes = summary.get("num_audio_codes")
     result.num_prompt_tokens = summary.get("num_prompt_tokens")
     result.num_cached_prompt_tokens = summary.get("num_cached_prompt_tokens")
@@ -254,7 +263,8 @@ async def run_benchmark(load: SpeechLoad, *, concurrency_levels: list[int], num_
     limits = httpx.Limits(max_connections=None if rate else most, max_keepalive_connections=most)
     levels: list[dict[str, Any]] = []
     lag = LoopLag()
-    async with httpx.AsyncClient(limits=limits) as client:
+    # trust_env off: an HTTP(S)_PROXY from the environment would carry the loopback load to another host
+    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
         if rate is not None:
             if warmup:
                 await run_closed_loop(client, load, warmup, warmup)
