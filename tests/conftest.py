@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# Must be set before Ray is imported anywhere (see docs/development.md).
+# Must be set before Ray is imported anywhere (README.md, "Run it"; ../shared/design/ray-serve-notes.md).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

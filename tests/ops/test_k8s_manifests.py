@@ -113,6 +113,21 @@ def test_serve_config_names_the_app_builder_and_validates_with_ray_and_app_args(
     AppArgs.model_validate(app["args"])
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "config").glob("*.yaml")))
+def test_every_shipped_configs_policy_kwargs_build(name: str) -> None:
+    """Each config/*.yaml that names a custom policy: its kwargs build the policy (a misspelt kwarg raises
+    TypeError here instead of when Ray builds the policy at deploy time)."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / name).read_text())
+    args = config["applications"][0]["args"]
+    policies = {"deployments.autoscaling:llm_policy": LLMPolicy, "deployments.autoscaling:vocoder_policy": VocoderPolicy}
+    for key in ("llm_options", "vocoder_options", "ingress_options"):
+        policy = args.get(key, {}).get("autoscaling_config", {}).get("policy")
+        if policy is not None:
+            policies[policy["policy_function"]](**policy.get("policy_kwargs", {}))
+
+
 def test_autoscaling_policies_and_their_kwargs_build(serve_config: dict[str, Any]) -> None:
     from ray.serve.config import AutoscalingConfig
 
