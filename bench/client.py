@@ -22,6 +22,7 @@ import itertools
 import json
 import secrets
 import shlex
+import socket
 import struct
 import sys
 import time
@@ -156,8 +157,12 @@ def check_url(url: str, allow_remote: bool = False) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+    if host == "localhost":  # a name: every address it resolves to must be loopback (/etc/hosts may differ)
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return bool(addresses) and all(_is_loopback(a) for a in addresses)
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:

@@ -95,6 +95,21 @@ def test_check_url_refuses_non_loopback_hosts_unless_allowed() -> None:
     assert check_url("http://10.1.2.3:8000", allow_remote=True) == "http://10.1.2.3:8000"
 
 
+def test_localhost_counts_as_loopback_only_where_it_resolves_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import bench.client as client_module
+
+    def resolves_to(*addresses: str):
+        return lambda host, port: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in addresses]
+
+    monkeypatch.setattr(client_module.socket, "getaddrinfo", resolves_to("127.0.0.1", "::1"))
+    assert check_url("http://localhost:8000") == "http://localhost:8000"
+    monkeypatch.setattr(client_module.socket, "getaddrinfo", resolves_to("127.0.0.1", "10.0.0.7"))
+    with pytest.raises(ValueError, match="refusing to send load to 'localhost': not a loopback address"):
+        check_url("http://localhost:8000")
+
+
 class _ScriptedServer:
     """A one-thread HTTP/1.1 server on 127.0.0.1 that answers each connection with `reply(request bytes)`:
     a list of (bytes, seconds to wait after sending them), then closes it (so replies say `connection:
