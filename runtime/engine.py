@@ -491,11 +491,13 @@ class EngineCore:
         row is None, logits without a valid draw, ends with an error first)."""
         start = time.perf_counter()
         _charge_step(out, step_s)
-        stepped = {chunk.seq.request_id: chunk.seq for chunk in out.chunks}
-        for request_id, row in sampled.items():
-            # (not a request that was aborted during the step and whose id is in use again)
-            if row is None and self.scheduler.seqs.get(request_id) is stepped[request_id]:
-                self._undelivered += self._fail_broken_logits(request_id, len(sampled))
+        broken = [request_id for request_id, row in sampled.items() if row is None]
+        if broken:  # (rare: the id -> sequence map only then)
+            stepped = {chunk.seq.request_id: chunk.seq for chunk in out.chunks}
+            for request_id in broken:
+                # not a request that was aborted during the step and whose id is in use again
+                if self.scheduler.seqs.get(request_id) is stepped[request_id]:
+                    self._undelivered += self._fail_broken_logits(request_id, len(sampled))
         for seq, row in self.scheduler.update(out, sampled):
             self._undelivered += self._row_events(seq, row)
         if len(self._timing) == 4:
