@@ -77,9 +77,21 @@ class FlowStatePool:
             if not self.free_slots:
                 self._grow(max(1, 2 * self.capacity))
             slot = self.free_slots.pop()
+        self.zero(slot)
+        return slot
+
+    def take(self, count: int) -> list[int] | None:
+        """`count` free slots, not zeroed (`zero` them where they will be used), or None when fewer are
+        free; never grows, so it is safe while another thread's work reads the pool's tensors."""
+        with self._lock:
+            if len(self.free_slots) < count:
+                return None
+            return [self.free_slots.pop() for _ in range(count)]
+
+    def zero(self, slot: int) -> None:
+        """Reset `slot` to the start of a stream."""
         for t in self.tensors:
             t[slot].zero_()
-        return slot
 
     def release(self, slot: int) -> None:
         """Give a slot back."""

@@ -460,12 +460,30 @@ class StreamingVocoder:
             if not self.is_low_latency:
                 raise ValueError(f"a schedule needs low latency, got {schedule!r}")
             chosen = check_schedule(schedule, self.overlap_samples, "schedule")
-        # grow while no lane runs, not inside `allocate`: as often as it takes for all of `specs`
-        while len(self._lanes) > 1 and self.pool.num_used + len(specs) > self.pool.capacity:
-            self.reserve_sessions(2 * self.pool.capacity)
+        slots = self._take_slots(len(specs))
+        try:
+            return self._open_in_lane(voices, specs, slots, lane, chosen)
+        except BaseException:
+            for slot in slots:  # nothing was handed out: the slots go back
+                self.pool.release(slot)
+            raise
+
+    def _take_slots(self, count: int) -> list[int]:
+        """`count` pool slots, taken before any lane call: a pool growth happens while no lane runs (another
+        lane's step may read the pool), as often as it takes, and two opens on different lanes cannot both
+        count on the same free slot."""
+        while (slots := self.pool.take(count)) is None:
+            self.reserve_sessions(max(2 * self.pool.capacity, self.pool.num_used + count))
+        return slots
+
+    def _open_in_lane(
+        self, voices: list[Voice], specs: Sequence[tuple[str, int]], slots: list[int], lane: int,
+        chosen: tuple[int, ...],
+    ) -> list[VocoderSession]:
         sessions = []
         with torch.inference_mode(), self._in_lane(lane):
-            for v, (_, seed) in zip(voices, specs):
+            for v, (_, seed), slot in zip(voices, specs, slots, strict=True):
+                self.pool.zero(slot)
                 p = v.num_prompt_codes
                 mel_start = max(0, _F * p - self.left_context)
                 emb = to_device(v.speaker_embedding[None].to(self.dtype), self.device)
@@ -473,7 +491,7 @@ class StreamingVocoder:
                     VocoderSession(
                         voice=v,
                         seed=seed,
-                        slot=self.pool.allocate(),
+                        slot=slot,
                         speaker=self.flow.speaker_condition(emb)[0],
                         codes=[int(c) for c in v.prompt_codes.tolist()],
                         codes_start=0,
