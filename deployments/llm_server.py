@@ -1,8 +1,10 @@
 """`LLMServer`: the Ray Serve deployment around `runtime.engine.Engine` (no model logic here).
 
-`generate` streams small dict events for one request: `text`, `codes`, then `finished`; or a single
-`error` event when the engine refuses the request on its first step (validation, context length,
-overload), so the ingress can answer with a proper HTTP status. When the caller goes away (Serve
+`generate` streams small dict events for one request: `text`, `codes`, then `finished` ("stop" or
+"length"); or, in place of any of them, one `error` event: when the engine refuses the request on its first
+step (validation, context length, overload), so the ingress can answer with a proper HTTP status, or when
+it ends otherwise than normally (a failed step, a queue timeout, the replica shutting down:
+`unfinished_error`), so that no client takes a cut-short answer for a whole one. When the caller goes away (Serve
 cancels the call) or anything fails, the request is aborted in the engine, which frees its KV blocks.
 """
 from __future__ import annotations
@@ -13,13 +15,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.errors import error_event
+from deployments.errors import error_event, internal_error, overloaded
 from deployments.metrics import LLMMetrics, RecentWindow
 from deployments.timeline import stamp_codes
 
 logger = logging.getLogger("ray.serve")
 
 METRICS_REFRESH_S = 1.0
+RETRY_AFTER_S = 1.0  # Retry-After of the 503s `unfinished_error` gives (error_event's default)
 
 
 def build_generation_request(engine: Any, request: dict[str, Any]) -> Any:
@@ -57,6 +60,23 @@ def to_event(event: Any) -> dict[str, Any]:
             "timeline": {} if timeline is None else {
                 "engine_arrived": timeline.arrived, "engine_first_scheduled": timeline.first_scheduled,
                 "engine_codes": list(timeline.codes)}}
+
+
+def unfinished_error(finished: dict[str, Any]) -> dict[str, Any] | None:
+    """The error event a `finished` event stands for, or None for a normal end ("stop", "length").
+
+    "abort" reaches a reader only when the server ended the request (a replica shutting down: a caller's own
+    cancel leaves no reader), so it is a 503 to retry elsewhere, as is an "error" of a request the engine
+    never scheduled (it expired in the queue, or the engine failed before its turn); an "error" after it ran
+    is a 500."""
+    reason = finished["reason"]
+    if reason == "abort":
+        return overloaded("generation aborted: the LLM replica is shutting down", RETRY_AFTER_S).to_event()
+    if reason != "error":
+        return None
+    if not finished["timeline"].get("engine_first_scheduled"):
+        return overloaded(f"generation not started: {finished['error']}", RETRY_AFTER_S).to_event()
+    return internal_error(f"generation failed: {finished['error']}").to_event()
 
 
 # (LLMMetrics counter, EngineStats field): the engine's lifetime totals, exported by their increase
@@ -110,6 +130,10 @@ class LLMServer:
                 is_finished = item["type"] == "finished"
                 if is_finished:
                     item["timeline"].update(llm_received=received_at, llm_codes_sent=codes_sent)
+                    failed = unfinished_error(item)
+                    if failed is not None:  # never a normal end: the caller reports the error
+                        yield failed
+                        return
                 yield item
                 if is_finished:
                     return

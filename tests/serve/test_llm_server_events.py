@@ -1,0 +1,87 @@
+"""`LLMServer.generate` ends every stream with `finished` only for a normal end ("stop", "length"); a request
+the engine ended otherwise becomes one `error` event, so that the ingress answers its status before the 200
+or an error event after it, never a cut-short answer framed as whole."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from deployments import llm_server
+from deployments.llm_server import LLMServer
+from runtime.request import AudioCodes, Finished, Timeline
+
+
+class _Window:
+    def add(self, value: float) -> None:
+        pass
+
+
+class _Histogram:
+    def observe(self, value: float) -> None:
+        pass
+
+
+def _server(events: list) -> tuple[LLMServer, list[str]]:
+    aborted: list[str] = []
+
+    async def stream():
+        for event in events:
+            yield event
+
+    server = object.__new__(LLMServer)
+    server._engine = SimpleNamespace(generate=lambda request, **kw: stream(), abort=aborted.append)
+    server._ttfa = _Window()
+    server._metrics = SimpleNamespace(time_to_first_code=_Histogram())
+    return server, aborted
+
+
+def _finished(reason: str, *, scheduled: bool, error: str | None = None) -> Finished:
+    return Finished(reason, 5, 3 if scheduled else 0, 2 if scheduled else 0, 0, error,
+                    Timeline(100.0, 100.5 if scheduled else None, ()))
+
+
+def _run(server: LLMServer) -> list[dict]:
+    async def collect() -> list[dict]:
+        return [event async for event in server.generate({"request_id": "r1"})]
+
+    return asyncio.run(collect())
+
+
+@pytest.fixture(autouse=True)
+def _no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llm_server, "build_generation_request", lambda engine, request: request)
+
+
+@pytest.mark.parametrize(("events", "expected"), [
+    # a step failed after the request ran: its codes went out, then a 500
+    ([AudioCodes((7, 8)), _finished("error", scheduled=True, error="engine step failed: RuntimeError('oom')")],
+     [("codes", None, None), ("error", 500, "generation failed: engine step failed: RuntimeError('oom')")]),
+    # failed on its first step, known before any byte: a 500 the ingress answers in place of the 200
+    ([_finished("error", scheduled=True, error="engine step failed: RuntimeError('oom')")],
+     [("error", 500, "generation failed: engine step failed: RuntimeError('oom')")]),
+    # expired in the queue, never scheduled: a 503 to retry
+    ([_finished("error", scheduled=False, error="request waited more than 300 s in the queue")],
+     [("error", 503, "generation not started: request waited more than 300 s in the queue")]),
+    # the replica shut down mid-stream
+    ([AudioCodes((7,)), _finished("abort", scheduled=True)],
+     [("codes", None, None), ("error", 503, "generation aborted: the LLM replica is shutting down")]),
+])
+def test_an_abnormal_end_is_one_error_event(events: list, expected: list) -> None:
+    server, aborted = _server(events)
+    got = _run(server)
+    assert [(e["type"], e.get("status"), e.get("message")) for e in got] == expected
+    assert got[-1]["retry_after_s"] == (1.0 if expected[-1][1] == 503 else None)
+    assert aborted == []  # the engine ended the request itself: nothing left to abort
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_a_normal_end_is_a_finished_event(reason: str) -> None:
+    server, aborted = _server([AudioCodes((1, 2, 3)), _finished(reason, scheduled=True)])
+    got = _run(server)
+    assert [e["type"] for e in got] == ["codes", "finished"]
+    assert (got[1]["reason"], got[1]["num_audio_codes"], got[1]["timeline"]["engine_first_scheduled"]) == (
+        reason, 2, 100.5)
+    assert aborted == []
