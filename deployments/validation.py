@@ -27,10 +27,37 @@ def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:
         raise bad_request(str(exc), code="invalid_value") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    where = _lone_surrogate(data)
+    if where is not None:  # legal JSON (a "\\ud83d" escape), but no text: the tokenizer cannot take it
+        raise bad_request(f"{where or 'a key'}: text holds a lone UTF-16 surrogate (half of an escaped pair)",
+                          param=where or None, code="invalid_value")
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise ApiError.from_validation(exc) from None
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path (`messages.0.content`, as the schema errors name fields) of the first string, key or value, that is not valid Unicode text
+    ("" for a key at the top), or None. Iterative: bodies may nest as deep as the parser allowed."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+                todo.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+    return None
 
 
 def _reject_constant(name: str) -> Any:

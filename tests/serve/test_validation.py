@@ -78,6 +78,9 @@ def test_speech_defaults() -> None:
     (speech(speed=1.5), 400, None, "speed must be 1.0"),
     (speech(input="x" * 21), 400, "input", "21 characters long; the limit is 20"),
     (speech(model="tts-1"), 404, "model", "'tts-1' does not exist"),
+    (speech(instructions="calm \udc00"), 400, "instructions", "instructions: text holds a lone UTF-16 surrogate"),
+    (speech(input="hi \ud83d"), 400, "input", "lone UTF-16 surrogate"),
+    (b'{"model": "moss-speech", "input": "hi", "\\ud800": 1}', 400, None, "a key: text holds a lone"),
 ])
 def test_bad_speech_input_is_a_4xx(body: bytes, status: int, param: str | None, fragment: str) -> None:
     err = error_of(speech_request, body)
@@ -126,6 +129,9 @@ def test_chat_request_dict_keeps_turns_in_order() -> None:
     (chat([{"role": "user", "content": "y" * 21}]), "messages", "21 characters long"),
     (chat(max_tokens=101), "max_new_tokens", "must be <= 100"),
     (chat(n=2), "n", "less than or equal to 1"),
+    (chat([{"role": "user", "content": "hi \ud83d"}]), "messages.0.content", "lone UTF-16 surrogate"),
+    (chat([{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
+     "messages.1.content.0.text", "lone UTF-16 surrogate"),
 ])
 def test_bad_chat_input_is_a_400(body: bytes, param: str | None, fragment: str) -> None:
     err = error_of(chat_request, body)
