@@ -15,7 +15,7 @@ _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0, le=16384)]
-RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
+RepetitionPenalty = Annotated[float, Field(ge=0.01, le=10.0)]  # within the engine's range (sampling.py)
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 NewTokens = Annotated[int, Field(ge=1)]
 

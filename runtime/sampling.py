@@ -67,6 +67,12 @@ def splitmix64(x: int) -> int:
 
 # Temperatures below this sample as greedy (see the module docstring).
 GREEDY_BELOW = 1e-5
+# Largest temperature and the repetition penalty's range: the sampler divides float32 logits by them, and a
+# value outside these turns finite logits into inf or NaN (a temperature of 1e39 is inf in float32 and
+# made every masked -inf logit NaN, so masked audio ids were drawn; a penalty of 1e-40 overflowed a seen
+# id's logit and failed the request as "non-finite logits").
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,15 @@ class SamplingParams:
             operator.index(self.top_k)
         except TypeError:
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}") from None
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
 
     @property
     def is_greedy(self) -> bool:

@@ -341,15 +341,19 @@ def test_bfloat16_logits_sample_as_their_float32_widening() -> None:
     [
         ({"temperature": math.nan}, "temperature must be finite"),
         ({"temperature": math.inf}, "temperature must be finite"),
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, r"temperature must be in \[0, 100\]"),
+        ({"temperature": 1e39}, r"temperature must be in \[0, 100\]"),  # inf in float32: masked ids drawn
+        ({"temperature": 100.5}, r"temperature must be in \[0, 100\]"),
         ({"temperature": "hot"}, "temperature must be a number"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
         ({"top_p": math.nan}, "top_p must be finite"),
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"top_k": 2.5}, "top_k must be an integer"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-        ({"repetition_penalty": -1.1}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": -1.1}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": 1e-40}, r"repetition_penalty must be in \[0.01, 100\]"),  # overflowed logits
+        ({"repetition_penalty": 1e39}, r"repetition_penalty must be in \[0.01, 100\]"),
         ({"repetition_penalty": math.inf}, "repetition_penalty must be finite"),
     ],
 )

@@ -18,7 +18,7 @@ BAD_REQUESTS = [
     ("/v1/audio/speech", b'{"model": "moss-speech", "input": "hi", "top_p": NaN}', 400, None,
      "non-finite number NaN"),
     ("/v1/audio/speech", {**GOOD, "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
-    ("/v1/audio/speech", {**GOOD, "repetition_penalty": -1}, 400, "repetition_penalty", "greater than 0"),
+    ("/v1/audio/speech", {**GOOD, "repetition_penalty": -1}, 400, "repetition_penalty", "greater than or equal to 0.01"),
     ("/v1/audio/speech", {**GOOD, "voice": "alloy"}, 400, "voice", "unknown voice 'alloy'"),
     ("/v1/audio/speech", {**GOOD, "response_format": "mp3"}, 400, "response_format", "'wav' or 'pcm'"),
     ("/v1/audio/speech", {**GOOD, "stream_format": "ws"}, 400, "stream_format", "'audio' or 'sse'"),
