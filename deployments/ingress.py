@@ -14,10 +14,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.args import AppArgs
@@ -34,6 +35,9 @@ ROUTES = {"/v1/audio/speech": ("speech", "POST"), "/v1/chat/completions": ("chat
           "/health": ("health", "GET"), "/v1/models": ("models", "GET"), "/admin/stats": ("admin", "GET")}
 REQUESTS_PREFIX = "/admin/requests/"
 MAX_REMEMBERED_REQUESTS = 1024
+# Whether the request handled in this task was counted in moss_requests (a non-streamed chat's body runs
+# inside the handler and counts itself): a handler cancelled by a disconnect counts a 499 only if not.
+_COUNTED: ContextVar[bool] = ContextVar("moss_ingress_counted", default=False)
 
 
 class Ingress:
@@ -53,6 +57,8 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         received_at = time.time()  # wall clock: the request's timeline (deployments/timeline.py)
+        deadline = time.monotonic() + self._args.request_timeout_s  # the body's upload included
+        _COUNTED.set(False)
         path, method = self._route_path(request), request.method
         route, expected = ROUTES.get(path, ("admin", "GET") if path.startswith(REQUESTS_PREFIX) else
                                      ("unknown", method))
@@ -63,10 +69,17 @@ class Ingress:
                 raise ApiError(405, f"{method} is not allowed on {path}; use {expected}",
                                kind="invalid_request", code="method_not_allowed")
             if route == "speech":
-                return await self._speech(request, received_at)
+                return await self._speech(request, received_at, deadline)
             if route == "chat":
-                return await self._chat(request, received_at)
+                return await self._chat(request, received_at, deadline)
             response = await self._get(path)
+        except asyncio.CancelledError:  # the client went away (Serve cancels the handler) before a response
+            if not _COUNTED.get():
+                self._count(route, 499, "disconnect")
+            raise
+        except ClientDisconnect:  # gone while its body was being read: nobody reads an answer
+            self._count(route, 499, "disconnect")
+            return Response(status_code=499)
         except ApiError as err:
             self._count(route, err.status, err.kind)
             return err.response()
@@ -104,6 +117,7 @@ class Ingress:
         return JSONResponse(self._recent[request_id])
 
     def _count(self, route: str, status: int, error_kind: str | None = None) -> None:
+        _COUNTED.set(True)
         self._metrics.requests.inc(tags={"route": route, "status": str(status)})
         if error_kind is not None:
             self._metrics.errors.inc(tags={"kind": error_kind})
@@ -121,23 +135,33 @@ class Ingress:
                 default_max_new_tokens=self._args.default_max_new_tokens)
         return self._limits
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, deadline: float) -> bytes:
+        """The whole body; a 408 when a part of it is awaited longer than `stream_idle_timeout_s` or past the
+        request's deadline (a stalled upload held a handler slot until the client closed)."""
         body = b""
-        async for chunk in request.stream():
+        chunks = request.stream()
+        while True:
+            timeout = min(self._args.stream_idle_timeout_s, deadline - time.monotonic())
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), timeout=max(timeout, 0.0))
+            except StopAsyncIteration:
+                return body
+            except TimeoutError:
+                raise ApiError(408, "the request body was not received in time", kind="timeout",
+                               code="request_timeout") from None
             body += chunk
             if len(body) > MAX_BODY_BYTES:
                 raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", kind="invalid_request",
                                code="request_too_large")
-        return body
 
-    async def _speech(self, request: Request, received_at: float) -> Response:
-        parsed, payload = speech_request(await self._read_body(request), await self._get_limits())
-        return await self._stream("speech", payload, speech_plan(parsed), received_at)
+    async def _speech(self, request: Request, received_at: float, deadline: float) -> Response:
+        parsed, payload = speech_request(await self._read_body(request, deadline), await self._get_limits())
+        return await self._stream("speech", payload, speech_plan(parsed), received_at, deadline)
 
-    async def _chat(self, request: Request, received_at: float) -> Response:
-        parsed, payload = chat_request(await self._read_body(request), await self._get_limits())
+    async def _chat(self, request: Request, received_at: float, deadline: float) -> Response:
+        parsed, payload = chat_request(await self._read_body(request, deadline), await self._get_limits())
         plan = chat_plan(parsed, payload["request_id"], self._args.served_model_name)
-        response = await self._stream("chat", payload, plan, received_at)
+        response = await self._stream("chat", payload, plan, received_at, deadline)
         if not isinstance(plan, ChatCompletionPlan):
             return response
         # stream=false: run the same body to its end here, then answer once (a failure keeps its status)
@@ -159,10 +183,10 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - any remote failure becomes an HTTP error
             raise ApiError.from_event(error_event(exc, retry_after_s=self._args.retry_after_s)) from None
 
-    async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan, received_at: float) -> Response:
+    async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan, received_at: float,
+                      deadline: float) -> Response:
         """Open the utterance stream, peek at its first event, then stream the response body."""
         started = time.monotonic()
-        deadline = started + self._args.request_timeout_s
         stream = self._vocoder.synthesize.options(stream=True).remote(payload)
         try:
             first = await self._next(stream, deadline)

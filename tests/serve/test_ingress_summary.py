@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +18,7 @@ from deployments.ingress import Ingress
 from deployments.streams import StreamPlan
 
 PCM = b"\x01\x00" * 4  # four samples
+HOLD = {"type": "hold"}  # a scripted stream reaching this waits until cancelled (a long prefill)
 
 
 class ScriptedStream:
@@ -25,6 +27,7 @@ class ScriptedStream:
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.events = list(events)
         self.cancelled = False
+        self.holding = asyncio.Event()
 
     def __aiter__(self) -> ScriptedStream:
         return self
@@ -32,7 +35,11 @@ class ScriptedStream:
     async def __anext__(self) -> dict[str, Any]:
         if not self.events:
             raise StopAsyncIteration
-        return self.events.pop(0)
+        event = self.events.pop(0)
+        if event is HOLD:
+            self.holding.set()
+            await asyncio.get_running_loop().create_future()  # until the task is cancelled
+        return event
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -78,7 +85,8 @@ def run(events: list[dict[str, Any]]) -> tuple[bytes, dict[str, Any], bool]:
     ingress = Ingress(app_args("tiny"), llm=None, vocoder=ScriptedVocoder(stream))
 
     async def body() -> bytes:
-        response = await ingress._stream("speech", {"request_id": "r1"}, StreamPlan(media_type="audio/pcm"), 0.0)
+        response = await ingress._stream("speech", {"request_id": "r1"}, StreamPlan(media_type="audio/pcm"), 0.0,
+                                         time.monotonic() + 60)
         return b"".join([chunk async for chunk in response.body_iterator])
 
     data = asyncio.run(body())
@@ -138,7 +146,8 @@ def test_a_body_the_client_never_let_start_is_released_and_counted() -> None:
     ingress, stream, requests, errors = counted_ingress([{"type": "audio", "pcm": PCM}])
 
     async def main() -> None:
-        response = await ingress._stream("speech", {"request_id": "r1"}, StreamPlan(media_type="audio/pcm"), 0.0)
+        response = await ingress._stream("speech", {"request_id": "r1"}, StreamPlan(media_type="audio/pcm"), 0.0,
+                                         time.monotonic() + 60)
 
         async def send(message: dict[str, Any]) -> None:
             raise OSError("client gone")
@@ -177,3 +186,68 @@ def test_a_vocoder_deployment_over_capacity_at_the_voice_lookup_is_a_503() -> No
     assert (response.status_code, response.headers["retry-after"]) == (503, "4")
     assert json.loads(response.body)["error"]["code"] == "server_overloaded"
     assert requests.calls == [{"route": "speech", "status": "503"}]
+
+
+def _post_raw(path: str, receive: Any) -> Request:
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "server": ("127.0.0.1", 8000),
+             "scheme": "http", "http_version": "1.1"}
+    return Request(scope, receive)
+
+
+SPEECH = {"model": "moss-speech", "input": "hi"}
+CHAT = {"model": "moss-speech", "messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.mark.parametrize(("path", "payload", "events", "route"), [
+    ("/v1/audio/speech", SPEECH, [], "speech"),  # gone while the first event is awaited (queued, prefilling)
+    ("/v1/chat/completions", {**CHAT, "stream": True}, [], "chat"),
+    # stream=false: the body runs inside the handler and counts its own 499
+    ("/v1/chat/completions", CHAT, [{"type": "text", "text": "hi"}], "chat"),
+])
+def test_a_handler_cancelled_by_a_disconnect_is_counted_once_as_499(path: str, payload: dict, events: list,
+                                                                    route: str) -> None:
+    ingress, stream, requests, errors = counted_ingress([*events, HOLD])
+    if not events:  # the hold comes before "started": the peek waits
+        stream.events = [HOLD]
+
+    async def main() -> None:
+        task = asyncio.ensure_future(ingress(post(path, payload)))
+        await stream.holding.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert stream.cancelled and ingress._num_active == 0
+    assert (requests.calls, errors.calls) == ([{"route": route, "status": "499"}], [{"kind": "disconnect"}])
+
+
+def test_a_client_gone_during_the_upload_is_a_499_not_a_500() -> None:
+    ingress, stream, requests, errors = counted_ingress([])
+    parts = [{"type": "http.request", "body": b'{"model": "moss', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return parts.pop(0)
+
+    response = asyncio.run(ingress(_post_raw("/v1/audio/speech", receive)))
+    assert response.status_code == 499
+    assert (requests.calls, errors.calls) == ([{"route": "speech", "status": "499"}], [{"kind": "disconnect"}])
+
+
+def test_a_stalled_upload_is_a_408_after_the_idle_timeout() -> None:
+    ingress, stream, requests, errors = counted_ingress([], stream_idle_timeout_s=0.05)
+    parts = [{"type": "http.request", "body": b'{"model": "moss', "more_body": True}]
+
+    async def receive() -> dict[str, Any]:
+        if parts:
+            return parts.pop(0)
+        return await asyncio.get_running_loop().create_future()  # the rest never comes
+
+    response = asyncio.run(ingress(_post_raw("/v1/audio/speech", receive)))
+    assert response.status_code == 408
+    assert json.loads(response.body)["error"] == {
+        "message": "the request body was not received in time", "type": "invalid_request_error", "param": None,
+        "code": "request_timeout"}
+    assert (requests.calls, errors.calls) == ([{"route": "speech", "status": "408"}], [{"kind": "timeout"}])
+    assert not stream.cancelled and stream.events == [{"type": "started"}]  # no deployment was called
