@@ -231,7 +231,7 @@ def test_a_client_gone_during_the_upload_is_a_499_not_a_500() -> None:
         return parts.pop(0)
 
     response = asyncio.run(ingress(_post_raw("/v1/audio/speech", receive)))
-    assert response.status_code == 499
+    assert response.status_code == 499 and stream.events == [{"type": "started"}]  # no deployment was called
     assert (requests.calls, errors.calls) == ([{"route": "speech", "status": "499"}], [{"kind": "disconnect"}])
 
 
