@@ -121,10 +121,11 @@ class Scheduler:
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
         bm = self.block_manager
-        needed = -(-total // bm.block_size)
+        needed = -(-(total - 1) // bm.block_size)  # the last generated row is never fed back: no K/V of its own
         if needed > bm.num_blocks:
             raise ContextLengthExceededError(
-                f"prompt + max_new_tokens = {total} rows need {needed} KV blocks but the whole cache holds "
+                f"prompt + max_new_tokens = {total} rows (K/V for {total - 1}) need {needed} KV blocks but the "
+                f"whole cache holds "
                 f"{bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} rows); lower max_new_tokens"
             )
         if len(self.waiting) >= self.config.max_num_waiting:

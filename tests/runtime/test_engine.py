@@ -395,6 +395,22 @@ def test_detokenizer_never_splits_a_character() -> None:
     assert detok.flush() == ""
 
 
+@pytest.mark.parametrize("async_steps", ASYNC_STEPS)
+def test_a_request_whose_kv_fills_the_whole_pool_exactly_runs_to_its_end(
+        model: MossSpeechForCausalLM, async_steps: bool) -> None:
+    """5 prompt rows + 4 generated: K/V for 8 rows (the last row is never fed back), so a pool of two 4-row
+    blocks holds it; admission refused it as needing 3 blocks."""
+    request = GenerationRequest("r", prompt(random.Random(0), 5, audio_out=True), GREEDY, GREEDY,
+                                max_new_tokens=4, min_new_tokens=4)
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(num_blocks=2, block_size=4,
+                                                             async_scheduling=async_steps))
+    seqs, events = run_core(core, {0: [request]})
+    ref, sampler = reference_rows(model, request)
+    assert generated(seqs["r"]) == ref and len(ref) == 4
+    check_events(events["r"], sampler, seqs["r"], "length")
+    assert core.stats().num_blocks_used == 0 and core.scheduler.num_preemptions == 0
+
+
 def test_typed_errors_at_admission(model: MossSpeechForCausalLM) -> None:
     core = EngineCore(model, Tokenizer.tiny(), engine_config(num_blocks=8, max_model_len=64, max_num_waiting=1))
     rows = prompt(random.Random(7), 10, audio_out=True)

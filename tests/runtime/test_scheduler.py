@@ -141,9 +141,11 @@ def test_admission_errors() -> None:
     too_long = make_seq("x", 15, max_new_tokens=6).request
     with pytest.raises(ContextLengthExceededError, match="exceeds max_model_len"):
         sched.check_admissible(too_long)
-    too_big = make_seq("y", 10, max_new_tokens=7).request  # 17 rows -> 5 blocks > 4
-    with pytest.raises(ContextLengthExceededError, match="whole cache holds 4 blocks"):
+    too_big = make_seq("y", 10, max_new_tokens=8).request  # 18 rows, K/V for 17 -> 5 blocks > 4
+    with pytest.raises(ContextLengthExceededError, match=r"= 18 rows \(K/V for 17\) need 5 KV blocks but the "
+                                                         "whole cache holds 4 blocks"):
         sched.check_admissible(too_big)
+    sched.check_admissible(make_seq("v", 10, max_new_tokens=7).request)  # K/V for 16 rows: exactly the pool
     fits = make_seq("z", 10, max_new_tokens=6)
     sched.check_admissible(fits.request)
     sched.add(fits)
