@@ -38,8 +38,9 @@ def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:
 
 
 def _lone_surrogate(data: Any) -> str | None:
-    """The path (`messages.0.content`, as the schema errors name fields) of the first string, key or value, that is not valid Unicode text
-    ("" for a key at the top), or None. Iterative: bodies may nest as deep as the parser allowed."""
+    """The path (`messages.0.content`, as the schema errors name fields) of the first string, key or value,
+    that is not valid Unicode text ("" for a key at the top), or None. Iterative: bodies may nest as deep as
+    the parser allowed."""
     todo: list[tuple[str, Any]] = [("", data)]
     while todo:
         path, value = todo.pop()

@@ -125,8 +125,8 @@ class Scheduler:
         if needed > bm.num_blocks:
             raise ContextLengthExceededError(
                 f"prompt + max_new_tokens = {total} rows (K/V for {total - 1}) need {needed} KV blocks but the "
-                f"whole cache holds "
-                f"{bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} rows); lower max_new_tokens"
+                f"whole cache holds {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} rows); "
+                "lower max_new_tokens"
             )
         if len(self.waiting) >= self.config.max_num_waiting:
             raise EngineOverloadedError(
