@@ -112,6 +112,6 @@ def error_event(exc: BaseException, *, retry_after_s: float = 1.0) -> dict[str, 
     if isinstance(exc, ContextLengthExceededError):
         return ApiError(400, str(exc), kind="context_length", code="context_length_exceeded",
                         param="input").to_event()
-    if isinstance(exc, InvalidRequestError | ValueError):
+    if isinstance(exc, InvalidRequestError):  # not any ValueError: one from a server fault is a 500
         return bad_request(str(exc)).to_event()
     return internal_error(f"{type(exc).__name__}: {exc}").to_event()

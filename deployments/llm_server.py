@@ -18,6 +18,7 @@ from typing import Any
 from deployments.errors import error_event, internal_error, overloaded
 from deployments.metrics import LLMMetrics, RecentWindow
 from deployments.timeline import stamp_codes
+from runtime.errors import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
 
@@ -108,7 +109,11 @@ class LLMServer:
         request_id = request["request_id"]
         try:
             codes_stream = request.get("codes_stream") or {}
-            stream = self._engine.generate(build_generation_request(self._engine, request),
+            try:
+                generation = build_generation_request(self._engine, request)
+            except ValueError as exc:  # the client's text or sampling values: a 400 (InvalidRequestError)
+                raise InvalidRequestError(str(exc)) from exc
+            stream = self._engine.generate(generation,
                                            eager_codes=int(codes_stream.get("eager_codes", 0)),
                                            codes_batch_s=float(codes_stream.get("batch_s", 0.0)))
             first = await anext(stream)

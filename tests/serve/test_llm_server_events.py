@@ -85,3 +85,21 @@ def test_a_normal_end_is_a_finished_event(reason: str) -> None:
     assert (got[1]["reason"], got[1]["num_audio_codes"], got[1]["timeline"]["engine_first_scheduled"]) == (
         reason, 2, 100.5)
     assert aborted == []
+
+
+def test_a_prompt_the_builder_refuses_is_a_400_but_a_server_side_value_error_is_a_500(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments.errors import error_event
+
+    def refuse(engine: object, request: dict) -> None:
+        raise ValueError("message text holds the control token '<|im_start|>'")
+
+    monkeypatch.setattr(llm_server, "build_generation_request", refuse)
+    server, aborted = _server([])
+    got = _run(server)
+    assert [(e["type"], e["status"], e["code"], e["message"]) for e in got] == [
+        ("error", 400, "invalid_value", "message text holds the control token '<|im_start|>'")]
+    # a ValueError from anywhere else is a fault of the server, not of the request
+    event = error_event(ValueError("lane must be in [0, 2), got 3"))
+    assert (event["status"], event["code"], event["message"]) == (
+        500, "internal_error", "ValueError: lane must be in [0, 2), got 3")
