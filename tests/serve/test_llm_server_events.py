@@ -95,7 +95,7 @@ def test_a_prompt_the_builder_refuses_is_a_400_but_a_server_side_value_error_is_
         raise ValueError("message text holds the control token '<|im_start|>'")
 
     monkeypatch.setattr(llm_server, "build_generation_request", refuse)
-    server, aborted = _server([])
+    server, _ = _server([])
     got = _run(server)
     assert [(e["type"], e["status"], e["code"], e["message"]) for e in got] == [
         ("error", 400, "invalid_value", "message text holds the control token '<|im_start|>'")]
