@@ -20,6 +20,8 @@ from runtime.errors import (
     InvalidRequestError,
 )
 
+RETRY_AFTER_S = 1.0  # Retry-After of a 503 whose caller names none
+
 
 class ApiError(Exception):
     """An error that becomes an HTTP response `{"error": {message, type, param, code}}`."""
@@ -99,7 +101,7 @@ def serve_over_capacity(exc: BackPressureError | DeploymentUnavailableError, ret
     return overloaded(f"server over capacity: {exc}", hint if hint is not None else retry_after_s)
 
 
-def error_event(exc: BaseException, *, retry_after_s: float = 1.0) -> dict[str, Any]:
+def error_event(exc: BaseException, *, retry_after_s: float = RETRY_AFTER_S) -> dict[str, Any]:
     """Map an exception raised by the engine, the vocoder or a Serve handle call to an error event."""
     if isinstance(exc, ApiError):
         return exc.to_event()

@@ -141,9 +141,8 @@ class Ingress:
         body = b""
         chunks = request.stream()
         while True:
-            timeout = min(self._args.stream_idle_timeout_s, deadline - time.monotonic())
             try:
-                chunk = await asyncio.wait_for(anext(chunks), timeout=max(timeout, 0.0))
+                chunk = await self._within(anext(chunks), deadline)
             except StopAsyncIteration:
                 return body
             except TimeoutError:
@@ -171,11 +170,16 @@ class Ingress:
         headers = {k: v for k, v in response.headers.items() if k in ("x-moss-request-id", "cache-control")}
         return Response(body, media_type=plan.media_type, headers=headers)
 
+    async def _within(self, awaitable: Any, deadline: float) -> Any:
+        """`awaitable`'s result, awaited no longer than `stream_idle_timeout_s` nor past `deadline`
+        (TimeoutError)."""
+        timeout = min(self._args.stream_idle_timeout_s, deadline - time.monotonic())
+        return await asyncio.wait_for(awaitable, timeout=max(timeout, 0.0))
+
     async def _next(self, stream: Any, deadline: float) -> dict[str, Any]:
         """The next event, or an ApiError after the idle timeout or the request deadline."""
-        timeout = min(self._args.stream_idle_timeout_s, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(anext(stream), timeout=max(timeout, 0.0))
+            return await self._within(anext(stream), deadline)
         except TimeoutError:
             raise timeout_error("the request timed out on the server") from None
         except StopAsyncIteration:

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.errors import error_event, internal_error, overloaded
+from deployments.errors import RETRY_AFTER_S, error_event, internal_error, overloaded
 from deployments.metrics import LLMMetrics, RecentWindow
 from deployments.timeline import stamp_codes
 from runtime.errors import InvalidRequestError
@@ -23,7 +23,6 @@ from runtime.errors import InvalidRequestError
 logger = logging.getLogger("ray.serve")
 
 METRICS_REFRESH_S = 1.0
-RETRY_AFTER_S = 1.0  # Retry-After of the 503s `unfinished_error` gives (error_event's default)
 
 
 def build_generation_request(engine: Any, request: dict[str, Any]) -> Any:

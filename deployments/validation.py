@@ -45,20 +45,24 @@ def _lone_surrogate(data: Any) -> str | None:
     while todo:
         path, value = todo.pop()
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
+            if not _is_text(value):
                 return path
         elif isinstance(value, dict):
             for key, item in value.items():
-                try:
-                    key.encode("utf-8")
-                except UnicodeEncodeError:
+                if not _is_text(key):
                     return path
                 todo.append((f"{path}.{key}" if path else key, item))
         elif isinstance(value, list):
             todo.extend((f"{path}.{i}", item) for i, item in enumerate(value))
     return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _reject_constant(name: str) -> Any:

@@ -194,10 +194,7 @@ class VocoderServer:
                     if stream is not None:
                         self._batcher.push(stream, item["codes"])
                 elif item["type"] == "finished":
-                    finished.update({k: v for k, v in item.items() if k != "type"})
-                    if item["reason"] == "error":
-                        out.put_nowait(internal_error(f"generation failed: {item['error']}").to_event())
-                        return
+                    finished.update({k: v for k, v in item.items() if k != "type"})  # a normal end (LLMServer)
                     break
                 elif item["type"] == "error":
                     out.put_nowait(item)

@@ -726,14 +726,13 @@ class StreamingVocoder:
     def _chunk_ends(self, s: VocoderSession, finishing: bool, extra_codes: int = 0) -> list[int]:
         """Absolute frames at which the chunks this step computes end, in order (empty: nothing yet);
         `extra_codes`: as if that many more codes had been pushed."""
-        final_frames = _F * max(0, s.num_codes + extra_codes - LOOKAHEAD_CODES)
         if finishing:  # the chunks a step would still compute from the codes pushed, then the tail
             end = _F * s.num_codes
             if end <= s.emitted_frames:
                 return []
-            scheduled = (scheduled_chunk_ends(s.emitted_frames, s.num_chunks, final_frames, s.schedule,
-                                              self.right_context) if self.is_low_latency else [])
+            scheduled = self._chunk_ends(s, False, extra_codes) if self.is_low_latency else []
             return [e for e in scheduled if e < end] + [end]
+        final_frames = _F * max(0, s.num_codes + extra_codes - LOOKAHEAD_CODES)
         stream = self.config.stream
         if self.is_low_latency:
             return scheduled_chunk_ends(s.emitted_frames, s.num_chunks, final_frames, s.schedule, self.right_context)
