@@ -96,5 +96,6 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                  "background_yield": args.vocoder_background_yield,
                  "yield_max_s": args.vocoder_yield_max_s}
     vocoder_app = vocoder.bind(vocoder_kwargs, args.vocoder_max_batch_size, llm_app, streaming,
-                               call_timeout_s=args.vocoder_call_timeout_s, retry_after_s=args.retry_after_s)
+                               call_timeout_s=args.vocoder_call_timeout_s, retry_after_s=args.retry_after_s,
+                               speech_encoder=args.speech_encoder)
     return ingress.bind(args.model_dump(), llm_app, vocoder_app)

@@ -58,6 +58,10 @@ class AppArgs(BaseModel):
     vocoder_device: str = "cpu"
     vocoder_dtype: str | None = None
     vocoder_seed: int = 0
+    # Speech input (chat `input_audio` parts): the codec's encoder, run on the vocoder replica's device and
+    # dtype. "tiny" / "full": random weights from vocoder_seed (noise codes; every path exercised); else a
+    # Whisper-VQ checkpoint folder, config.json + model*.safetensors (vocoder/speech_encoder.py).
+    speech_encoder: str = Field(default="tiny", min_length=1)
     # Replay CUDA graphs of the vocoder's per-chunk stages (StreamingVocoder.use_cuda_graphs); cuda only.
     vocoder_cuda_graphs: bool = False
     # Pad vocoder steps to bucketed rows / codes / windows (StreamingVocoder.use_cuda_graphs(bucket_shapes)),
@@ -131,6 +135,10 @@ class AppArgs(BaseModel):
 
     # Request limits enforced by the ingress before any model is touched.
     max_input_chars: int = Field(default=4096, ge=1)
+    # Speech input: the seconds of audio one request may carry in all (12.5 prompt rows per second), and the
+    # largest request body (base64 audio is 4/3 of the file: 8 MiB holds ~180 s of 16 kHz PCM16 mono WAV).
+    max_input_audio_s: float = Field(default=120.0, gt=0)
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)
     max_new_tokens_limit: int = Field(default=4096, ge=1)
     default_max_new_tokens: int = Field(default=1024, ge=1)
     # Server-side timeouts: no request lives longer than request_timeout_s, and a stream that yields

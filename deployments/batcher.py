@@ -194,6 +194,16 @@ class VocoderBatcher:
 
         return await asyncio.get_running_loop().run_in_executor(executor, timed)
 
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on lane 0's worker thread, between that lane's steps: for other work on the vocoder's
+        device (the speech encoder), which then never launches kernels while a step is captured into a CUDA
+        graph. Timed by the health check like every vocoder call; a device error marks the replica."""
+        try:
+            return await self._call(fn, *args)
+        except Exception as exc:
+            self._note_device_error(exc)
+            raise
+
     def health_problem(self, call_timeout_s: float) -> str | None:
         """Why this replica's vocoder can serve no more, or None: a call failed with a device error (a CUDA
         error leaves the process's context unusable), or a call has run longer than `call_timeout_s` (a hung

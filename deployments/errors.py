@@ -63,10 +63,11 @@ class ApiError(Exception):
                    param=event["param"], code=event["code"], retry_after_s=event["retry_after_s"])
 
     @classmethod
-    def from_validation(cls, exc: ValidationError) -> ApiError:
-        """A 400 naming the first offending field, e.g. `top_p: Input should be less than or equal to 1`."""
+    def from_validation(cls, exc: ValidationError, prefix: str = "") -> ApiError:
+        """A 400 naming the first offending field, e.g. `top_p: Input should be less than or equal to 1`;
+        `prefix`: where the validated object sits in the body (`messages.0.content.1`)."""
         first = exc.errors()[0]
-        loc = ".".join(str(part) for part in first.get("loc", ()))
+        loc = ".".join([prefix] * bool(prefix) + [str(part) for part in first.get("loc", ())])
         message = first.get("msg", "invalid request")
         message = message.removeprefix("Value error, ")
         return cls(400, f"{loc}: {message}" if loc else message, kind="invalid_request",

@@ -29,7 +29,6 @@ from deployments.validation import Limits, chat_request, speech_request
 
 logger = logging.getLogger("ray.serve")
 
-MAX_BODY_BYTES = 1 << 20
 # path -> (route tag of moss_requests, allowed method)
 ROUTES = {"/v1/audio/speech": ("speech", "POST"), "/v1/chat/completions": ("chat", "POST"),
           "/health": ("health", "GET"), "/v1/models": ("models", "GET"), "/admin/stats": ("admin", "GET")}
@@ -132,33 +131,36 @@ class Ingress:
                 served_model_name=self._args.served_model_name, voices=voices,
                 max_input_chars=self._args.max_input_chars,
                 max_new_tokens_limit=self._args.max_new_tokens_limit,
-                default_max_new_tokens=self._args.default_max_new_tokens)
+                default_max_new_tokens=self._args.default_max_new_tokens,
+                max_input_audio_s=self._args.max_input_audio_s)
         return self._limits
 
     async def _read_body(self, request: Request, deadline: float) -> bytes:
         """The whole body; a 408 when a part of it is awaited longer than `stream_idle_timeout_s` or past the
         request's deadline (a stalled upload held a handler slot until the client closed)."""
-        body = b""
+        body = bytearray()  # appended in place: a body of megabytes arrives in many parts
         chunks = request.stream()
         while True:
             try:
                 chunk = await self._within(anext(chunks), deadline)
             except StopAsyncIteration:
-                return body
+                return bytes(body)
             except TimeoutError:
                 raise ApiError(408, "the request body was not received in time", kind="timeout",
                                code="request_timeout") from None
             body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", kind="invalid_request",
-                               code="request_too_large")
+            if len(body) > self._args.max_body_bytes:
+                raise ApiError(413, f"request body exceeds {self._args.max_body_bytes} bytes",
+                               kind="invalid_request", code="request_too_large")
 
     async def _speech(self, request: Request, received_at: float, deadline: float) -> Response:
         parsed, payload = speech_request(await self._read_body(request, deadline), await self._get_limits())
         return await self._stream("speech", payload, speech_plan(parsed), received_at, deadline)
 
     async def _chat(self, request: Request, received_at: float, deadline: float) -> Response:
-        parsed, payload = chat_request(await self._read_body(request, deadline), await self._get_limits())
+        body, limits = await self._read_body(request, deadline), await self._get_limits()
+        # off the event loop: speech input is decoded and resampled here (deployments/audio_input.py)
+        parsed, payload = await asyncio.to_thread(chat_request, body, limits)
         plan = chat_plan(parsed, payload["request_id"], self._args.served_model_name)
         response = await self._stream("chat", payload, plan, received_at, deadline)
         if not isinstance(plan, ChatCompletionPlan):

@@ -31,7 +31,7 @@ def build_generation_request(engine: Any, request: dict[str, Any]) -> Any:
     from runtime.request import GenerationRequest
     from runtime.sampling import SamplingParams
 
-    messages = [ChatMessage(role="system" if role == "developer" else role, content=content)
+    messages = [ChatMessage(role="system" if role == "developer" else role, content=prompt_content(content))
                 for role, content in request["messages"]]
     rows = build_prompt_rows(engine.tokenizer, messages, output_modality=request["output_modality"])
     text_sampling = SamplingParams(**request.get("text_sampling", {}))
@@ -42,6 +42,28 @@ def build_generation_request(engine: Any, request: dict[str, Any]) -> Any:
         request_id=request["request_id"], prompt_rows=tuple(rows), text_sampling=text_sampling,
         audio_sampling=audio_sampling, max_new_tokens=request["max_new_tokens"],
         min_new_tokens=request.get("min_new_tokens", 0), seed=request.get("seed"))
+
+
+def prompt_content(content: Any) -> Any:
+    """A request message's content for `runtime.prompts.ChatMessage`: text as it is; a list of parts
+    (`{"type": "text", "text"}`, `{"type": "audio", "codes"}` after the vocoder encoded the speech) as a
+    tuple of str and AudioContent. ValueError (PromptError) for anything else."""
+    from runtime.prompts import AudioContent, PromptError
+
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise PromptError(f"message content must be text or a non-empty list of parts, got {content!r:.80}")
+    parts: list[Any] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind == "audio" and "codes" in part:
+            parts.append(AudioContent(tuple(part["codes"])))
+        else:  # e.g. speech samples that no encoder replaced
+            raise PromptError(f"message part must be text or audio codes, got {kind!r}")
+    return tuple(parts)
 
 
 def to_event(event: Any) -> dict[str, Any]:

@@ -102,6 +102,7 @@ class VocoderMetrics:
     batch_size: Histogram
     step_seconds: Histogram
     time_to_first_pcm: Histogram
+    speech_input_seconds: Counter
 
     @classmethod
     def create(cls) -> VocoderMetrics:
@@ -113,10 +114,13 @@ class VocoderMetrics:
                                  description="Streams advanced by one StreamingVocoder.step call."),
             step_seconds=Histogram(
                 "moss_vocoder_step_seconds", boundaries=STEP_BOUNDARIES, tag_keys=("kind",),
-                description="Wall seconds of one vocoder call by kind: first / urgent / background step, finish."),
+                description="Wall seconds of one vocoder call by kind: first / urgent / background step, finish, "
+                            "encode (speech input -> codes)."),
             time_to_first_pcm=Histogram(
                 "moss_vocoder_time_to_first_pcm_seconds", boundaries=TTFA_BOUNDARIES,
                 description="Seconds from an utterance reaching the vocoder deployment to its first PCM leaving it."),
+            speech_input_seconds=Counter(
+                "moss_speech_input_seconds", description="Seconds of speech input encoded into codes."),
         )
 
 

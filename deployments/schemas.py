@@ -68,32 +68,31 @@ class TextPart(BaseModel):
     text: str
 
 
+class InputAudio(BaseModel):
+    """`input_audio` of a content part: base64 of a whole audio file."""
+
+    model_config = _STRICT
+    data: Annotated[str, Field(min_length=1)]
+    format: Literal["wav", "mp3"]
+
+
+class InputAudioPart(BaseModel):
+    """A `{"type": "input_audio", "input_audio": {"data": ..., "format": "wav"}}` content part (speech input)."""
+
+    model_config = _STRICT
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = TextPart | InputAudioPart
+
+
 class ChatMessageIn(BaseModel):
     """One chat message; content is a string or a list of content parts."""
 
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The message's text; raises ValueError for speech input or unknown part types."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            kind = part.get("type")
-            if kind in ("input_audio", "audio"):
-                raise SpeechInputNotSupported("speech input not supported yet")
-            if kind != "text":
-                raise ValueError(f"unsupported content part type {kind!r}; only 'text' is supported")
-            texts.append(TextPart.model_validate(part).text)
-        return "".join(texts)
-
-
-class SpeechInputNotSupported(ValueError):
-    """A chat message carried audio; the codec encoder (speech in) is not served yet."""
 
 
 class AudioOutput(BaseModel):

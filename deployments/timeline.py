@@ -20,7 +20,8 @@ NTH = 0  # in a per-code mark: the code the vocoder's first audio waited for (`v
 # is a timeline key, or (key, k) for the k-th (1-based; NTH: the n-th) of a per-code list of marks.
 STAGES: tuple[tuple[str, str | tuple[str, int]], ...] = (
     ("client_to_ingress", "ingress_received"),      # HTTP request in, to the ingress handler
-    ("ingress_to_vocoder", "vocoder_received"),     # Serve call ingress -> vocoder
+    ("ingress_to_vocoder", "vocoder_received"),     # speech input decoded, Serve call ingress -> vocoder
+    ("speech_encode", "vocoder_speech_encoded"),    # speech input -> codes (only with speech input)
     ("vocoder_to_llm", "llm_received"),             # Serve call vocoder -> LLM
     ("llm_to_engine", "engine_arrived"),            # prompt rows built, request queued in the engine
     ("engine_queue", "engine_first_scheduled"),     # waiting for its first step
@@ -33,6 +34,9 @@ STAGES: tuple[tuple[str, str | tuple[str, int]], ...] = (
     ("vocoder_to_ingress", "ingress_first_audio"),  # Serve stream item vocoder -> ingress
     ("ingress_to_client", "client_first_audio"),    # HTTP body bytes to the client
 )
+
+
+OPTIONAL_MARKS = frozenset({"vocoder_speech_encoded"})  # a request without speech input has no such stage
 
 
 def stamp_codes(times: list[float], num_codes: int, now: float | None = None) -> None:
@@ -51,7 +55,8 @@ def _mark(timeline: dict[str, Any], mark: str | tuple[str, int], n: int) -> floa
 
 def first_audio_stages(timeline: dict[str, Any], sent_at: float, first_audio_at: float) -> dict[str, float] | None:
     """Seconds per stage of STAGES between the client's send (`sent_at`) and its first audio bytes
-    (`first_audio_at`), both wall clock; None when a mark is missing (e.g. a text-only request)."""
+    (`first_audio_at`), both wall clock; None when a mark is missing (e.g. a text-only request). A stage
+    whose mark is in OPTIONAL_MARKS and absent is left out (its time is none: nothing happened there)."""
     marks = {**timeline, "client_first_audio": first_audio_at}
     n = timeline.get("vocoder_first_chunk_codes")
     if not isinstance(n, int) or n < 1:
@@ -60,6 +65,8 @@ def first_audio_stages(timeline: dict[str, Any], sent_at: float, first_audio_at:
     previous = sent_at
     for stage, mark in STAGES:
         at = _mark(marks, mark, n)
+        if at is None and mark in OPTIONAL_MARKS:
+            continue
         if at is None:
             return None
         stages[stage] = at - previous

@@ -10,9 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from deployments.audio_input import decode_input_audio
 from deployments.errors import ApiError, bad_request
-from deployments.schemas import ChatCompletionRequest, SpeechRequest
+from deployments.schemas import ChatCompletionRequest, ChatMessageIn, InputAudioPart, SpeechRequest, TextPart
 from runtime.prompts import READ_ALOUD_PROMPT
+from vocoder.speech_encoder import INPUT_SAMPLE_RATE
 
 
 def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:
@@ -73,10 +75,11 @@ class Limits:
     """Server settings the checks need: served model name, known voices and size limits."""
 
     def __init__(self, *, served_model_name: str, voices: list[str], max_input_chars: int,
-                 max_new_tokens_limit: int, default_max_new_tokens: int) -> None:
+                 max_new_tokens_limit: int, default_max_new_tokens: int, max_input_audio_s: float = 120.0) -> None:
         self.served_model_name = served_model_name
         self.voices = voices
         self.max_input_chars = max_input_chars
+        self.max_input_audio_s = max_input_audio_s
         self.max_new_tokens_limit = max_new_tokens_limit
         self.default_max_new_tokens = default_max_new_tokens
 
@@ -131,18 +134,38 @@ def speech_request(body: bytes, limits: Limits) -> tuple[SpeechRequest, dict[str
 
 
 def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, dict[str, Any]]:
-    """`POST /v1/chat/completions` body -> (parsed request, deployment request dict)."""
+    """`POST /v1/chat/completions` body -> (parsed request, deployment request dict).
+
+    A message's content in the dict is its text (str) when it has no speech, else a list of parts in order:
+    `{"type": "text", "text": ...}` and `{"type": "audio", "samples": float32 16 kHz mono}` (the vocoder
+    replica replaces the samples by codes). Speech is decoded here (CPU; the caller runs this off the event
+    loop): the request's clips together may last `limits.max_input_audio_s`."""
     req = parse_json_body(body, ChatCompletionRequest)
     limits.check_model(req.model)
-    messages = []
+    messages: list[tuple[str, Any]] = []
+    texts: list[str] = []
+    audio_s = 0.0
     for index, message in enumerate(req.messages):
-        try:
-            text = message.text()
-        except ValueError as exc:
-            raise bad_request(str(exc), param=f"messages.{index}.content",
-                              code="unsupported_content") from None
-        messages.append((message.role, text))
-    limits.check_text("".join(text for _, text in messages), "messages")
+        parts = _content_parts(message, index)
+        texts += [part.text for part in parts if isinstance(part, TextPart)]
+        if not any(isinstance(part, InputAudioPart) for part in parts):
+            messages.append((message.role, "".join(part.text for part in parts)))
+            continue
+        content: list[dict[str, Any]] = []
+        for number, part in enumerate(parts):
+            if isinstance(part, TextPart):
+                content.append({"type": "text", "text": part.text})
+                continue
+            samples = decode_input_audio(part.input_audio.data, part.input_audio.format,
+                                         param=f"messages.{index}.content.{number}.input_audio.data",
+                                         max_seconds=limits.max_input_audio_s)
+            audio_s += samples.size / INPUT_SAMPLE_RATE
+            if audio_s > limits.max_input_audio_s:
+                raise bad_request(f"the request's input audio lasts {audio_s:.1f} s in all; the limit is "
+                                  f"{limits.max_input_audio_s:g} s", param="messages", code="audio_too_long")
+            content.append({"type": "audio", "samples": samples})
+        messages.append((message.role, content))
+    limits.check_text("".join(texts), "messages")
     voice = req.audio.voice if req.audio is not None else "default"
     if req.wants_audio:
         limits.check_voice(voice, "audio.voice")
@@ -154,3 +177,27 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
         "max_new_tokens": limits.max_new_tokens(req.max_new_tokens, req.min_new_tokens),
         "min_new_tokens": req.min_new_tokens or 0, "seed": req.seed,
     }
+
+
+def _content_parts(message: ChatMessageIn, index: int) -> list[TextPart | InputAudioPart]:
+    """A message's content as parts (a string is one text part); 400s name the part."""
+    if message.content is None:
+        return []
+    if isinstance(message.content, str):
+        return [TextPart(type="text", text=message.content)]
+    parts: list[TextPart | InputAudioPart] = []
+    for number, part in enumerate(message.content):
+        where = f"messages.{index}.content.{number}"
+        kind = part.get("type")
+        schema = {"text": TextPart, "input_audio": InputAudioPart}.get(kind)
+        if schema is None:
+            raise bad_request(f"{where}: unsupported content part type {kind!r}; use 'text' or 'input_audio'",
+                              param=where, code="unsupported_content")
+        if schema is InputAudioPart and message.role in ("system", "developer"):
+            raise bad_request(f"{where}: a {message.role} message must be text; speech goes in user or "
+                              "assistant messages", param=where, code="unsupported_content")
+        try:
+            parts.append(schema.model_validate(part))
+        except ValidationError as exc:
+            raise ApiError.from_validation(exc, prefix=where) from None
+    return parts

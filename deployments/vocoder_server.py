@@ -24,6 +24,7 @@ from deployments.errors import error_event, internal_error
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
 from deployments.timeline import stamp_codes
+from vocoder.speech_encoder import INPUT_SAMPLE_RATE
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,17 +34,21 @@ class VocoderServer:
 
     async def __init__(self, vocoder_kwargs: dict[str, Any], max_batch_size: int, llm: Any,
                        streaming: dict[str, Any] | None = None, call_timeout_s: float = 60.0,
-                       retry_after_s: float = 1.0) -> None:
+                       retry_after_s: float = 1.0, speech_encoder: str = "tiny") -> None:
         """`streaming`: `codes_batch_s`, `policy`, `urgent_buffer_s`, `step_code_budget`, `urgent_step_code_budget`,
         `fast_lane_code_budget`, `background_yield`, `yield_max_s` (AppArgs). `call_timeout_s`: AppArgs'
         `vocoder_call_timeout_s` (`check_health`). `retry_after_s`: AppArgs' `retry_after_s`, the Retry-After of
-        the 503 when the LLM deployment is over capacity."""
+        the 503 when the LLM deployment is over capacity. `speech_encoder`: AppArgs' `speech_encoder`, built
+        on the vocoder's device and dtype (seeded by its seed)."""
         from vocoder.config import SAMPLE_RATE
+        from vocoder.speech_encoder import speech_encoder_for
         from vocoder.streaming import build_for_serving
 
         batcher_options = dict(streaming or {})  # VocoderBatcher's policy options; its defaults otherwise
         codes_batch_s = batcher_options.pop("codes_batch_s", 0.0)
         kwargs = dict(vocoder_kwargs)
+        self._encoder = speech_encoder_for(speech_encoder, device=kwargs.get("device", "cpu"),
+                                           dtype=kwargs.get("dtype"), seed=kwargs.get("seed", 0))
         self._vocoder, warm = build_for_serving(kwargs.pop("preset"), **kwargs)
         if warm:
             logger.info("vocoder warm-up: %d graphs captured in %.1f s (%d steps)",
@@ -99,6 +104,15 @@ class VocoderServer:
         """Stream one utterance: see the module docstring for the events."""
         started = time.monotonic()
         received_at = time.time()  # wall clock: the request's timeline (deployments/timeline.py)
+        encoded_at: dict[str, float] = {}
+        if any(not isinstance(content, str) for _, content in request.get("messages", ())):
+            try:
+                request = {**request, "messages": await self._encode_speech(request["messages"])}
+            except Exception as exc:
+                logger.exception("encoding speech input failed")
+                yield error_event(exc, retry_after_s=self._retry_after_s)
+                return
+            encoded_at["vocoder_speech_encoded"] = time.time()
         if request["with_audio"]:
             request = {**request, "codes_stream": self._codes_stream}
         llm_stream = self._llm.generate.options(stream=True).remote(request)
@@ -156,7 +170,7 @@ class VocoderServer:
                 yield {"type": "audio", "pcm": pcm16_bytes(item)}
             await reader
             is_done = True
-            timeline = {**finished.pop("timeline", {}), "vocoder_received": received_at,
+            timeline = {**finished.pop("timeline", {}), "vocoder_received": received_at, **encoded_at,
                         "vocoder_codes_received": codes_received,
                         **(stream.first_pcm_marks if stream is not None else {})}
             yield {"type": "done", **finished, "num_audio_samples": num_samples, "timeline": timeline}
@@ -168,6 +182,20 @@ class VocoderServer:
                 llm_stream.cancel()  # no-op when the LLM stream already ended
             if stream is not None and not stream.is_closed:
                 self._batcher.close(stream)
+
+    async def _encode_speech(self, messages: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The messages with every speech part's samples (16 kHz float32, decoded by the ingress) replaced by
+        its codes, `{"type": "audio", "codes": [...]}`: all clips of the request in one call on the vocoder's
+        lane 0 (`VocoderBatcher.run`)."""
+        clips = [part["samples"] for _, content in messages if not isinstance(content, str)
+                 for part in content if part["type"] == "audio"]
+        started = time.monotonic()
+        codes = iter(await self._batcher.run(lambda: [self._encoder.encode(clip) for clip in clips]))
+        self._metrics.step_seconds.observe(time.monotonic() - started, tags={"kind": "encode"})
+        self._metrics.speech_input_seconds.inc(sum(clip.size for clip in clips) / INPUT_SAMPLE_RATE)
+        return [(role, content if isinstance(content, str) else [
+            {"type": "audio", "codes": next(codes)} if part["type"] == "audio" else part for part in content])
+            for role, content in messages]
 
     def _discard(self, opening: asyncio.Future | None) -> None:
         """Close the session `opening` gives (now, or when it opens): its request ended first."""

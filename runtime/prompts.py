@@ -9,6 +9,10 @@ Format (facts sheet, "Audio output prompt"), and the choices made where the shee
   audio segment of ``n`` codes is ``n + 2`` rows: text channel ``[SOSP, MODALITY_PAD x (n + 1)]`` over audio
   channel ``[AUDIO_PAD, codes..., EOSP]``. Audio content is allowed for user turns (speech input) and for
   assistant turns (earlier spoken replies in a multi-turn chat, same layout); not for system turns.
+- A turn of several parts (text and audio in order, our choice: the sheet shows one or the other) is the
+  header, then each part in order (text tokenized as one string with the header when it comes first, else
+  on its own; adjacent text parts joined first), then ``<|im_end|>\\n``. One text part or one audio part
+  gives exactly the turns above.
 - The generation prefix is ``<|im_start|>assistant\\n`` rows; for audio output it is followed by the row
   ``[SOSP, AUDIO_PAD]`` so generation starts in audio mode. Nothing else is added: no default system prompt,
   no implicit turns; roles may come in any order.
@@ -77,18 +81,31 @@ class AudioContent:
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One chat turn: ``role`` is system, user or assistant; ``content`` is text or :class:`AudioContent`."""
+    """One chat turn: ``role`` is system, user or assistant; ``content`` is text, :class:`AudioContent`, or a
+    non-empty tuple of them (parts in order)."""
 
     role: str
-    content: str | AudioContent
+    content: str | AudioContent | tuple[str | AudioContent, ...]
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise PromptError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
-        if not isinstance(self.content, (str, AudioContent)):
-            raise PromptError(f"content must be a str or AudioContent, got {type(self.content).__name__}")
-        if isinstance(self.content, AudioContent) and self.role == "system":
+        parts = self.content if isinstance(self.content, tuple) else (self.content,)
+        if not parts or not all(isinstance(part, (str, AudioContent)) for part in parts):
+            raise PromptError("content must be a str, an AudioContent or a non-empty tuple of them, got "
+                              f"{self.content!r:.80}")
+        if self.role == "system" and any(isinstance(part, AudioContent) for part in parts):
             raise PromptError("a system message must be text, not audio")
+
+    def parts(self) -> list[str | AudioContent]:
+        """The content as parts, adjacent text parts joined."""
+        merged: list[str | AudioContent] = []
+        for part in self.content if isinstance(self.content, tuple) else (self.content,):
+            if isinstance(part, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += part
+            else:
+                merged.append(part)
+        return merged
 
 
 def text_rows(token_ids: Sequence[int]) -> list[Row]:
@@ -119,13 +136,15 @@ def build_prompt_rows(
     for index, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
             raise PromptError(f"messages[{index}] must be a ChatMessage, got {type(message).__name__}")
-        if isinstance(message.content, AudioContent):
-            rows += text_rows([IM_START_ID, *_encode(tokenizer, f"{message.role}\n", index)])
-            rows += audio_segment_rows(message.content.codes)
-            rows += text_rows([IM_END_ID, *newline])
-        else:
-            body = _encode(tokenizer, f"{message.role}\n{message.content}", index)
-            rows += text_rows([IM_START_ID, *body, IM_END_ID, *newline])
+        parts = message.parts()
+        head = parts.pop(0) if isinstance(parts[0], str) else ""
+        rows += text_rows([IM_START_ID, *_encode(tokenizer, f"{message.role}\n{head}", index)])
+        for part in parts:
+            if isinstance(part, AudioContent):
+                rows += audio_segment_rows(part.codes)
+            else:
+                rows += text_rows(_encode(tokenizer, part, index))
+        rows += text_rows([IM_END_ID, *newline])
     rows += text_rows([IM_START_ID, *tokenizer.encode("assistant\n")])
     if output_modality == "audio":
         rows.append((SOSP_ID, AUDIO_PAD_ID))

@@ -16,6 +16,20 @@ NUM_AUDIO_CODES = 16384  # valid codes are 0..16383
 SPEAKER_EMBED_DIM = 192
 
 
+def resolve_dtype(dtype: Any) -> Any:
+    """A torch dtype from None (float32), a torch dtype, or its name: float32, bfloat16, float16."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
 def check_schedule(sizes: Any, overlap_samples: int, name: str) -> tuple[int, ...]:
     """A chunk schedule (sizes in codes) as a tuple of ints; ValueError unless it is non-empty, every size is
     an integer >= 1 (not a float, string or bool) and the crossfade overlap held back from each chunk is

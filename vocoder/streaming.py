@@ -27,6 +27,7 @@ from vocoder.config import (
     NUM_AUDIO_CODES,
     VocoderConfig,
     check_schedule,
+    resolve_dtype,
 )
 from vocoder.flow import FlowDecoder
 from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
@@ -409,7 +410,7 @@ class StreamingVocoder:
         """
         cfg = config if config is not None else VocoderConfig.preset(name)
         cfg.validate()
-        torch_dtype = _resolve_dtype(dtype)
+        torch_dtype = resolve_dtype(dtype)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             flow = FlowDecoder(cfg.flow)
@@ -1016,13 +1017,3 @@ def _warm_up_lanes(voc: StreamingVocoder, warmup_rows: Sequence[int], fast_lane_
                 warm = {key: warm.get(key, 0) + value for key, value in figures.items()}
     return warm
 
-
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
-    return names[dtype]

@@ -93,7 +93,7 @@ def test_empty_text_content_is_allowed(tokenizer: Tokenizer) -> None:
     [
         (lambda: ChatMessage("tool", "x"), "role must be one of system, user, assistant; got 'tool'"),
         (lambda: ChatMessage("system", AudioContent((1,))), "a system message must be text"),
-        (lambda: ChatMessage("user", 5), "content must be a str or AudioContent, got int"),
+        (lambda: ChatMessage("user", 5), "content must be a str, an AudioContent or a non-empty tuple of them, got 5"),
         (lambda: AudioContent(()), "audio content needs at least one code"),
         (lambda: AudioContent((1, 16384)), r"audio codes must be in 0..16383, got \[16384\]"),
         (lambda: AudioContent((-1,)), r"audio codes must be in 0..16383, got \[-1\]"),

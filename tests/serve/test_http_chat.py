@@ -2,9 +2,16 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import httpx
+import numpy as np
+import soundfile
+
+from runtime.prompts import AudioContent, ChatMessage, build_prompt_rows
+from runtime.tokenizer import Tokenizer
+from vocoder.speech_encoder import SpeechEncoderConfig
 
 SAMPLES_PER_CODE = 1920
 
@@ -98,3 +105,30 @@ def test_non_streamed_chat_returns_one_completion_equal_to_the_streamed_one(http
     assert text_only.status_code == 200  # stream defaults to false, as in the OpenAI API
     message = text_only.json()["choices"][0]["message"]
     assert "audio" not in message and len(message["content"]) == 8 and message["content"].isalpha()
+
+
+def test_speech_input_is_encoded_into_the_prompt_and_answered_with_speech(http: httpx.Client) -> None:
+    # 1.5 s of a 48 kHz stereo WAV: decoded, down-mixed and resampled by the ingress, encoded by the vocoder
+    # replica's tiny speech encoder into 19 codes (24000 samples at 16 kHz), which become 21 prompt rows.
+    t = np.arange(72000) / 48000
+    wave = (0.4 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.stack([wave, wave], axis=1), 48000, format="WAV", subtype="PCM_16")
+    speech = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(),
+                                                     "format": "wav"}}
+    body = {"messages": [{"role": "user", "content": [speech]}], "modalities": ["text", "audio"],
+            "audio": {"voice": "default", "format": "pcm16"}, "min_new_tokens": 3, "max_completion_tokens": 6,
+            "seed": 5, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json={"model": "moss-speech", "stream": True, **body}) as response:
+        assert response.status_code == 200, response.read()
+        request_id = response.headers["x-moss-request-id"]
+        lines = [line for line in response.iter_lines() if line]
+    _, audio, reasons, usage = split([json.loads(line[len("data: "):]) for line in lines[:-1]])
+    num_codes = SpeechEncoderConfig.preset("tiny").num_codes(24000)
+    assert num_codes == 19
+    rows = build_prompt_rows(Tokenizer.tiny(), [ChatMessage("user", AudioContent((0,) * num_codes))],
+                             output_modality="audio")
+    assert usage["prompt_tokens"] == len(rows)
+    assert usage["audio_codes"] == 3 and len(audio) == 2 * SAMPLES_PER_CODE * 3 and reasons[-1] == "length"
+    timeline = http.get(f"/admin/requests/{request_id}").json()["timeline"]
+    assert timeline["vocoder_received"] <= timeline["vocoder_speech_encoded"] <= timeline["llm_received"]

@@ -27,7 +27,7 @@ BAD_REQUESTS = [
     ("/v1/audio/speech", {**GOOD, "model": "tts-1"}, 404, "model", "does not exist"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, 400,
-     "messages.0.content", "speech input not supported yet"),
+     "messages.0.content.0.input_audio.data", "could not be decoded"),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"], "audio": {"voice": "nope"}}, 400,
      "audio.voice", "unknown voice 'nope'"),
     ("/v1/chat/completions", {**CHAT, "seed": 1.5}, 400, "seed", "valid integer"),

@@ -1,7 +1,7 @@
 """deployments/timeline.py: per-code marks and the split of a first audio's latency into stages."""
 from __future__ import annotations
 
-from deployments.timeline import MAX_CODES, STAGES, first_audio_stages, stamp_codes
+from deployments.timeline import MAX_CODES, OPTIONAL_MARKS, STAGES, first_audio_stages, stamp_codes
 from runtime.request import TIMELINE_CODES
 
 
@@ -33,7 +33,7 @@ def _timeline(n: int) -> dict:
 
 def test_stages_run_from_the_send_to_the_first_audio_through_the_nth_codes_marks() -> None:
     stages = first_audio_stages(_timeline(5), sent_at=10.0, first_audio_at=10.080)
-    assert stages is not None and list(stages) == [name for name, _ in STAGES]
+    assert stages is not None and list(stages) == [name for name, mark in STAGES if mark not in OPTIONAL_MARKS]
     expected = {
         "client_to_ingress": 0.001, "ingress_to_vocoder": 0.002, "vocoder_to_llm": 0.003, "llm_to_engine": 0.004,
         "engine_queue": 0.005, "first_code": 0.015, "more_codes": 0.020, "llm_send": 0.001,
@@ -42,6 +42,14 @@ def test_stages_run_from_the_send_to_the_first_audio_through_the_nth_codes_marks
     }
     assert {k: round(v, 9) for k, v in stages.items()} == expected
     assert round(sum(stages.values()), 9) == 0.080  # the stages add up to the time to first audio
+
+
+def test_speech_input_adds_its_encoding_stage_between_the_vocoder_and_the_llm() -> None:
+    timeline = {**_timeline(5), "vocoder_speech_encoded": 10.0045}
+    stages = first_audio_stages(timeline, sent_at=10.0, first_audio_at=10.080)
+    assert stages is not None and list(stages) == [name for name, _ in STAGES]
+    assert round(stages["speech_encode"], 9) == 0.0015 and round(stages["vocoder_to_llm"], 9) == 0.0015
+    assert round(sum(stages.values()), 9) == 0.080
 
 
 def test_stages_are_none_when_a_mark_is_missing_or_past_the_kept_codes() -> None:

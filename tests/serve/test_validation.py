@@ -117,9 +117,9 @@ def test_chat_request_dict_keeps_turns_in_order() -> None:
 @pytest.mark.parametrize(("body", "param", "fragment"), [
     (chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA",
                                                                                   "format": "wav"}}]}]),
-     "messages.0.content", "speech input not supported yet"),
+     "messages.0.content.0.input_audio.data", "input audio (format 'wav') could not be decoded"),
     (chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "messages.0.content", "unsupported content part type 'image_url'"),
+     "messages.0.content.0", "unsupported content part type 'image_url'"),
     (chat([]), "messages", "at least 1 item"),
     (chat([{"role": "robot", "content": "hi"}]), "messages.0.role", "'system', 'developer'"),
     (chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]), None,
