@@ -223,8 +223,9 @@ def summarize(results: Sequence[RequestResult], wall_s: float, **extra: Any) -> 
 
 
 def stage_percentiles(stages: Sequence[dict[str, float]]) -> dict[str, dict[str, float | None]]:
-    """Per stage (in the order the first request lists them), percentiles of its seconds over requests."""
-    names = list(stages[0]) if stages else []
+    """Per stage (in the order the requests list them; a stage only some requests have, such as speech
+    input's, counted over those), percentiles of its seconds over requests."""
+    names = list(dict.fromkeys(name for s in stages for name in s))
     return {name: percentiles([s[name] for s in stages if name in s]) for name in names}
 
 

@@ -44,7 +44,7 @@ def test_dashboard_has_one_panel_per_operational_question() -> None:
     assert [p["title"] for p in dashboard["panels"]] == [
         "Time to first audio (p50 / p99)", "Audio chunk gap (p50 / p99)", "Real-time factor (p50 / p99)",
         "Active streams", "Queue", "KV cache use", "Prefix-cache hit rate", "Replicas per deployment",
-        "Errors by kind", "Requests by route and status", "Audio produced (seconds of audio per second)",
+        "Errors by kind", "Requests by route and status", "Audio produced and speech taken in (seconds of audio per second)",
         "Vocoder batch size (p50 / p99)", "First audio by stage (p50)", "Vocoder step time by kind (p50 / p99)",
         "KV cache preemptions per second", "Engine step failures per second"]
     for panel in dashboard["panels"]:

@@ -65,12 +65,14 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
 
 def test_the_vocoder_call_timeout_and_retry_after_reach_the_vocoder_replica() -> None:
     """`vocoder_call_timeout_s` becomes VocoderServer's `call_timeout_s` (its health check), `retry_after_s`
-    its own (the 503 it yields when the LLM deployment is over capacity)."""
+    its own (the 503 it yields when the LLM deployment is over capacity), `speech_encoder` the encoder it builds."""
     args = yaml_args("serve.yaml")
     default = deployments_of(args)["VocoderServer"]
-    assert default.init_kwargs == {"call_timeout_s": 60.0, "retry_after_s": 1.0}
-    tuned = deployments_of(args | {"vocoder_call_timeout_s": 7.5, "retry_after_s": 4.0})["VocoderServer"]
-    assert tuned.init_kwargs == {"call_timeout_s": 7.5, "retry_after_s": 4.0}
+    assert default.init_kwargs == {"call_timeout_s": 60.0, "retry_after_s": 1.0, "speech_encoder": "tiny"}
+    tuned = deployments_of(args | {"vocoder_call_timeout_s": 7.5, "retry_after_s": 4.0,
+                                   "speech_encoder": "/models/codec-encoder"})["VocoderServer"]
+    assert tuned.init_kwargs == {"call_timeout_s": 7.5, "retry_after_s": 4.0,
+                                 "speech_encoder": "/models/codec-encoder"}
 
 
 def test_deployment_options_given_replace_the_defaults_one_by_one() -> None:

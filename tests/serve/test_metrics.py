@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import time
 
 import httpx
+import numpy as np
 import pytest
 import serve_harness
+import soundfile
 from serve_harness import metric_value, scrape_metrics
 
 APP = {"application": serve_harness.APP_NAME}  # other tests may run a second app in the same Ray
@@ -103,6 +106,31 @@ def test_metrics_count_exactly_the_requests_made(http: httpx.Client) -> None:
     serve_harness.wait_until(matches, timeout_s=60, what=f"metrics to reach {expected}",
                              last=lambda: values(scrape_metrics()))
     assert all(n >= 2 for n in num_chunks)
+
+
+def test_speech_input_counts_its_seconds_and_one_encode_call(http: httpx.Client) -> None:
+    names = {"speech_s": ("ray_moss_speech_input_seconds_total", APP),
+             "encodes": ("ray_moss_vocoder_step_seconds_count", {**APP, "kind": "encode"})}
+
+    def values(text: str) -> dict[str, float]:
+        return {key: metric_value(text, name, labels) for key, (name, labels) in names.items()}
+
+    before = values(settled_scrape())
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(20000, dtype=np.float32), 16000, format="WAV", subtype="PCM_16")
+    clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(),
+                                                   "format": "wav"}}
+    body = {"model": "moss-speech", "max_tokens": 2, "seed": 3,
+            "messages": [{"role": "user", "content": [clip, {"type": "text", "text": "and"}, clip]}]}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    expected = {"speech_s": before["speech_s"] + 2 * 1.25, "encodes": before["encodes"] + 1}  # one call per request
+
+    def matches() -> bool:
+        now = values(scrape_metrics())
+        return all(now[k] == pytest.approx(v, abs=1e-6) for k, v in expected.items())
+
+    serve_harness.wait_until(matches, timeout_s=60, what=f"metrics to reach {expected}",
+                             last=lambda: values(scrape_metrics()))
 
 
 def test_engine_and_vocoder_gauges_match_the_server_state(http: httpx.Client) -> None:
