@@ -216,11 +216,20 @@ class SpeechEncoder(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.d_model)
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
         self.codebook = nn.Embedding(cfg.codebook_size, cfg.d_model)
-        self.register_buffer("mel_filters", torch.from_numpy(mel_filters(cfg.num_mel_bins)), persistent=False)
+        # float32 whatever the weights' dtype (not a buffer, which `.to(dtype)` would cast); on the device
+        # when first used there
+        self._mel_filters = torch.from_numpy(mel_filters(cfg.num_mel_bins))
 
     @property
     def device(self) -> torch.device:
         return self.codebook.weight.device
+
+    @property
+    def mel_filters(self) -> torch.Tensor:
+        """The front end's float32 filter bank on the encoder's device."""
+        if self._mel_filters.device != self.device:
+            self._mel_filters = self._mel_filters.to(self.device)
+        return self._mel_filters
 
     @torch.inference_mode()
     def encode(self, audio: np.ndarray | torch.Tensor) -> list[int]:
@@ -321,7 +330,6 @@ def load_speech_encoder(path: str | Path, *, device: str | torch.device = "cpu",
                          f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
                          f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
     model.load_state_dict(state, strict=True, assign=True)
-    model.mel_filters = torch.from_numpy(mel_filters(cfg.num_mel_bins))  # a buffer, not in the checkpoint
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -54,6 +54,15 @@ def test_codes_are_a_function_of_the_audio_and_the_weights_seed(encoder) -> None
     assert encoder.encode(clip) != encoder.encode(noise(24_000, seed=2))
 
 
+def test_bfloat16_weights_keep_a_float32_front_end() -> None:
+    float32 = build_speech_encoder(TINY, seed=4)
+    bf16 = build_speech_encoder(TINY, seed=4, dtype=torch.bfloat16)
+    assert bf16.codebook.weight.dtype == torch.bfloat16 and bf16.mel_filters.dtype == torch.float32
+    assert torch.equal(bf16.mel_filters, float32.mel_filters)
+    clip = noise(20_000, seed=9)
+    assert len(bf16.encode(clip)) == len(float32.encode(clip)) == 16
+
+
 def test_segments_of_30_s_are_encoded_independently(encoder) -> None:
     first, rest = noise(480_000, seed=3), noise(40_000, seed=4)
     assert encoder.encode(np.concatenate([first, rest])) == encoder.encode(first) + encoder.encode(rest)
