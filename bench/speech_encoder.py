@@ -11,7 +11,9 @@ clock. For each clip length:
   float32 copy of the same weights, and the fraction of them the timed dtype reproduces;
 - `encode` p50 / p90 / p99 (ms), its real-time factor (encode time / clip duration), and the front end
   (log-mel) alone;
-- the baseline in the same run: the same weights in float32 (`--baseline-float32`, on by default on CUDA);
+- the baseline in the same run: eager (every kernel launched from Python) against the serving path's CUDA
+  graphs (one per frame bucket, `SpeechEncoder.use_cuda_graphs`, on CUDA), and the same weights in float32
+  eager (`--no-baseline` skips it), with the fraction of codes each reproduces;
 - the roofline in the same run: the clip's matmul FLOPs (2 x parameters used per frame x frames, plus
   attention's 4 x frames^2 x width per layer) against the bf16 matmul rate measured now (an 8192^3 product).
 """
@@ -41,6 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true", help="skip the float32 baseline")
+    parser.add_argument("--profile", type=float, default=None,
+                        help="also profile one encode of a clip this many seconds long (torch.profiler table)")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -94,11 +98,32 @@ def clip_flops(model: SpeechEncoder, num_samples: int) -> float:
     return total
 
 
+def profile_table(model: SpeechEncoder, num_samples: int, device: torch.device) -> str:
+    """torch.profiler's table (top 25 ops by self CPU time, with their device time) of one encode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    clip = (np.random.default_rng(1).standard_normal(num_samples) * 0.1).astype(np.float32)
+    for _ in range(3):
+        model.encode(clip)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        model.encode(clip)
+        sync(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     device = torch.device(args.device)
     model = speech_encoder_for(args.preset, device=device, dtype=args.dtype)
+    graphed = None
+    if device.type == "cuda":
+        graphed = speech_encoder_for(args.preset, device=device, dtype=args.dtype)
+        graphed.use_cuda_graphs()
+        started = time.perf_counter()
+        num_graphs = graphed.warm_up()
+        warm_up_s = time.perf_counter() - started
     baseline = None
     if not args.no_baseline and args.dtype != "float32":
         baseline = speech_encoder_for(args.preset, device=device, dtype="float32")
@@ -108,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
                     if device.type == "cuda" else "cpu", "torch": torch.__version__, "preset": args.preset,
                     "dtype": args.dtype, "parameters": sum(p.numel() for p in model.parameters()),
                     "matmul_tflops": None if rate is None else round(rate, 1), "clips": []}
+    if graphed is not None:
+        result["graphs"] = {"captured": num_graphs, "warm_up_s": round(warm_up_s, 2)}
     rng = np.random.default_rng(0)
     for seconds in [float(s) for s in args.seconds.split(",")]:
         n = int(seconds * INPUT_SAMPLE_RATE)
@@ -115,8 +142,18 @@ def main(argv: list[str] | None = None) -> None:
         codes = model.encode(clip)
         assert len(codes) == model.config.num_codes(n), (len(codes), model.config.num_codes(n))
         assert all(0 <= code < 16384 for code in codes)
-        entry: dict = {"seconds": seconds, "num_codes": len(codes),
-                       "encode": wall_ms(lambda c=clip: model.encode(c), device, args.warmup, args.reps)}
+        # "encode": the serving path (CUDA graphs on CUDA); "eager_encode": every kernel launched from Python
+        entry: dict = {"seconds": seconds, "num_codes": len(codes)}
+        eager = wall_ms(lambda c=clip: model.encode(c), device, args.warmup, args.reps)
+        if graphed is not None:
+            graphed_codes = graphed.encode(clip)
+            assert len(graphed_codes) == len(codes)
+            entry["graphed_codes_equal_eager"] = round(sum(a == b for a, b in zip(graphed_codes, codes, strict=True))
+                                                       / len(codes), 4)
+            entry["encode"] = wall_ms(lambda c=clip: graphed.encode(c), device, args.warmup, args.reps)
+            entry["eager_encode"] = eager
+        else:
+            entry["encode"] = eager
         audio = torch.from_numpy(clip[:model.config.segment_samples]).to(device)
         entry["log_mel"] = wall_ms(lambda a=audio: log_mel(a, model.mel_filters), device, args.warmup, args.reps)
         entry["real_time_factor"] = round(entry["encode"]["p50_ms"] / 1e3 / seconds, 5)
@@ -127,11 +164,14 @@ def main(argv: list[str] | None = None) -> None:
             entry["roofline_ms"] = round(flops / (rate * 1e12) * 1e3, 3)
         if baseline is not None:
             reference = baseline.encode(clip)
-            entry["codes_equal_float32"] = round(sum(a == b for a, b in zip(codes, reference, strict=True))
+            entry["eager_codes_equal_float32"] = round(sum(a == b for a, b in zip(codes, reference, strict=True))
                                                  / len(codes), 4)
-            entry["float32_encode"] = wall_ms(lambda c=clip: baseline.encode(c), device, args.warmup, args.reps)
+            entry["float32_eager_encode"] = wall_ms(lambda c=clip: baseline.encode(c), device, args.warmup, args.reps)
         result["clips"].append(entry)
         print(json.dumps(entry), file=sys.stderr, flush=True)
+    if args.profile is not None:
+        result["profile"] = profile_table(model, int(args.profile * INPUT_SAMPLE_RATE), device)
+        print(result["profile"], file=sys.stderr)
     print(json.dumps(result))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

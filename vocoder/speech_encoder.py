@@ -46,6 +46,9 @@ N_FFT = 400
 MEL_HOP = 160  # samples per log-mel frame (100 per second)
 # Name prefixes a checkpoint may put before the encoder's own names.
 CHECKPOINT_PREFIXES = ("model.encoder.", "encoder.")
+# Clips are padded to a multiple of this many frames after the convolutions (1.2 s; a multiple of the pooling,
+# dividing the 1500 positions): one CUDA graph per multiple.
+FRAME_BUCKET = 60
 
 
 @dataclass(frozen=True)
@@ -175,11 +178,11 @@ class _SelfAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         t, d = x.shape
         q, k, v = (proj(x).view(t, self.num_heads, d // self.num_heads).transpose(0, 1)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.out_proj(out.transpose(0, 1).reshape(t, d))
 
 
@@ -194,8 +197,9 @@ class _Layer(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), allowed)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """`bias` [T, T]: 0 where a frame may attend, -inf elsewhere."""
+        x = x + self.self_attn(self.self_attn_layer_norm(x), bias)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
@@ -211,6 +215,7 @@ class SpeechEncoder(nn.Module):
     def __init__(self, cfg: SpeechEncoderConfig) -> None:
         super().__init__()
         self.config = cfg
+        self._graphed: Any = None  # vocoder.graphs.GraphedFunction after use_cuda_graphs()
         self.conv1 = _Conv(cfg.num_mel_bins, cfg.d_model, 1, cfg.causal_convolution)
         self.conv2 = _Conv(cfg.d_model, cfg.d_model, 2, cfg.causal_convolution)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.d_model)
@@ -252,21 +257,62 @@ class SpeechEncoder(nn.Module):
         return codes
 
     def _encode_segment(self, audio: torch.Tensor) -> torch.Tensor:
-        dtype = self.codebook.weight.dtype
+        """Codes of one segment: the log-mel eagerly, then the rest (`codes_of_frames`) on the mel padded to a
+        `FRAME_BUCKET` multiple of frames, through a CUDA graph per bucket after `use_cuda_graphs`."""
         mel = log_mel(F.pad(audio, (0, max(0, N_FFT // 2 + 1 - audio.numel()))), self.mel_filters)
-        mel = mel[:, :audio.numel() // MEL_HOP]
-        x = F.gelu(self.conv1(mel.to(dtype)))
+        num_frames = audio.numel() // MEL_HOP
+        frames = (num_frames + 1) // 2  # after the stride-2 convolution
+        padded = min(self.config.max_source_positions, -(-frames // FRAME_BUCKET) * FRAME_BUCKET)
+        mel_in = torch.zeros(self.config.num_mel_bins, 2 * padded, device=self.device, dtype=self.codebook.weight.dtype)
+        mel_in[:, :num_frames] = mel[:, :num_frames]
+        count = torch.tensor(frames, device=self.device)
+        run = self._graphed if self._graphed is not None else self.codes_of_frames
+        return run(mel_in, count)[:-(-frames // self.config.pooling_kernel_size)]
+
+    def codes_of_frames(self, mel: torch.Tensor, num_frames: torch.Tensor) -> torch.Tensor:
+        """Codes [T / pooling] of a log-mel [mel bins, 2T] whose first `num_frames` (a 0-d device tensor) of the T
+        frames after the convolutions are the clip's: the later ones are masked out as keys and zeroed before the
+        pooling, so the clip's codes are those of the clip alone (up to the products' rounding). Static shapes:
+        one CUDA graph serves every clip of a bucket."""
+        x = F.gelu(self.conv1(mel))
         x = F.gelu(self.conv2(x)).transpose(0, 1)  # [T, d] at 50 frames/s
         x = x + self.embed_positions.weight[:x.shape[0]]
-        allowed = block_causal(x.shape[0], self.config.causal_block_size, x.device)
+        valid = torch.arange(x.shape[0], device=x.device) < num_frames
+        allowed = block_causal(x.shape[0], self.config.causal_block_size, x.device) & valid[None, :]
+        bias = torch.zeros(allowed.shape, device=x.device, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))
         for layer in self.layers:
-            x = layer(x, allowed)
+            x = layer(x, bias)
+        x = x * valid[:, None].to(x.dtype)
         k = self.config.pooling_kernel_size
         x = F.pad(x.transpose(0, 1), (0, (-x.shape[0]) % k))
         pooled = F.avg_pool1d(x[None], k)[0].transpose(0, 1).float()  # [codes, d]
         book = self.codebook.weight.float()
         distances = pooled.square().sum(1, keepdim=True) + book.square().sum(1) - 2 * pooled @ book.T
         return distances.argmin(dim=1)
+
+    def use_cuda_graphs(self) -> None:
+        """Run `codes_of_frames` through one captured CUDA graph per frame bucket (on CPU the same buffers are
+        used with the function run again, for tests); the graphs share one memory pool."""
+        from vocoder.graphs import GraphedFunction
+
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self._graphed = GraphedFunction(self.codes_of_frames, max_graphs=self.num_buckets, capture_after_calls=1,
+                                        pool=pool)
+
+    @property
+    def num_buckets(self) -> int:
+        return -(-self.config.max_source_positions // FRAME_BUCKET)
+
+    def warm_up(self) -> int:
+        """Encode one clip per frame bucket (capturing every bucket's graph after `use_cuda_graphs`, so none is
+        captured under traffic), then freeze the graphs; returns the graphs captured."""
+        for bucket in range(1, self.num_buckets + 1):
+            frames = min(bucket * FRAME_BUCKET, self.config.max_source_positions)
+            self.encode(torch.zeros(2 * MEL_HOP * frames))
+        if self._graphed is None:
+            return 0
+        self._graphed.freeze()
+        return self._graphed.num_graphs
 
 
 def build_speech_encoder(cfg: SpeechEncoderConfig, *, seed: int = 0, device: str | torch.device = "cpu",

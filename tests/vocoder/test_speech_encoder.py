@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from vocoder.speech_encoder import (
+    FRAME_BUCKET,
     SpeechEncoderConfig,
     block_causal,
     build_speech_encoder,
     load_speech_encoder,
+    log_mel,
     save_speech_encoder,
     speech_encoder_for,
 )
@@ -82,6 +84,28 @@ def test_codes_of_a_finished_4_s_block_do_not_depend_on_later_audio(encoder) -> 
     two = encoder.encode(np.concatenate([head, noise(32_000, seed=7, scale=0.01)]))
     assert one[:50] == two[:50]
     assert one[50:] != two[50:]
+
+
+@pytest.mark.parametrize("num_samples", [16_000, 36_800, 65_600, 480_000])
+def test_padding_to_the_frame_bucket_leaves_the_codes_of_the_clip_alone(encoder, num_samples: int) -> None:
+    clip = noise(num_samples, seed=10)
+    num_frames = num_samples // 160
+    frames = (num_frames + 1) // 2
+    mel = log_mel(torch.from_numpy(clip), encoder.mel_filters)[:, :num_frames]
+    exact = encoder.codes_of_frames(torch.nn.functional.pad(mel, (0, 2 * frames - num_frames)), torch.tensor(frames))
+    assert encoder.encode(clip) == exact.tolist()  # padded to a multiple of FRAME_BUCKET frames inside
+    assert frames % FRAME_BUCKET or num_samples == 480_000  # the cases do pad (30 s fills the last bucket)
+
+
+def test_graphed_encoding_gives_the_eager_codes_with_one_graph_per_bucket() -> None:
+    graphed = build_speech_encoder(TINY, seed=0)
+    graphed.use_cuda_graphs()  # on CPU: the same static buffers, the function run again instead of a replay
+    assert graphed.warm_up() == graphed.num_buckets == 25
+    eager = build_speech_encoder(TINY, seed=0)
+    for seconds in (0.5, 1.7, 12.0):
+        clip = noise(int(seconds * 16000), seed=11)
+        assert graphed.encode(clip) == eager.encode(clip)
+    assert graphed._graphed.num_replays == 25 + 3 and graphed._graphed.num_eager_calls == 0
 
 
 def test_bad_clips_are_refused(encoder) -> None:
