@@ -180,10 +180,11 @@ class _SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         t, d = x.shape
-        q, k, v = (proj(x).view(t, self.num_heads, d // self.num_heads).transpose(0, 1)
+        # [1, heads, T, head dim]: the fused attention kernels take 4-D inputs only (3-D ones run the math path)
+        q, k, v = (proj(x).view(1, t, self.num_heads, d // self.num_heads).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        return self.out_proj(out.transpose(0, 1).reshape(t, d))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None, None])
+        return self.out_proj(out.transpose(1, 2).reshape(t, d))
 
 
 class _Layer(nn.Module):
@@ -279,7 +280,10 @@ class SpeechEncoder(nn.Module):
         x = x + self.embed_positions.weight[:x.shape[0]]
         valid = torch.arange(x.shape[0], device=x.device) < num_frames
         allowed = block_causal(x.shape[0], self.config.causal_block_size, x.device) & valid[None, :]
-        bias = torch.zeros(allowed.shape, device=x.device, dtype=x.dtype).masked_fill_(~allowed, float("-inf"))
+        # rows 16-byte aligned (a width of 8k): PyTorch's memory-efficient attention takes such a bias as it is
+        width = -(-x.shape[0] // 8) * 8
+        bias = torch.zeros(x.shape[0], width, device=x.device, dtype=x.dtype)[:, :x.shape[0]]
+        bias.masked_fill_(~allowed, float("-inf"))
         for layer in self.layers:
             x = layer(x, bias)
         x = x * valid[:, None].to(x.dtype)
