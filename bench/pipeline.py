@@ -123,14 +123,19 @@ def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_to
                              max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, seed=seed)
 
 
+def app_args(path: str) -> dict[str, Any]:
+    """A Serve YAML's first application `args`."""
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)["applications"][0].get("args", {})
+
+
 def settings_from_config(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(engine kwargs, vocoder settings) from a Serve YAML's first application `args` (empty without one)."""
     if path is None:
         return {}, {}
-    import yaml
-
-    with open(path) as f:
-        args = yaml.safe_load(f)["applications"][0].get("args", {})
+    args = app_args(path)
     # every vocoder_* setting but the Serve deployment's options (a config file holds AppArgs fields only)
     vocoder = {k.removeprefix("vocoder_"): v for k, v in args.items()
                if k.startswith("vocoder_") and k != "vocoder_options"}

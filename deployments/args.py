@@ -60,8 +60,14 @@ class AppArgs(BaseModel):
     vocoder_seed: int = 0
     # Speech input (chat `input_audio` parts): the codec's encoder, run on the vocoder replica's device and
     # dtype. "tiny" / "full": random weights from vocoder_seed (noise codes; every path exercised); else a
-    # Whisper-VQ checkpoint folder, config.json + model*.safetensors (vocoder/speech_encoder.py).
+    # Whisper-VQ checkpoint folder, config.json + model*.safetensors (vocoder/speech_encoder.py); "none": no
+    # encoder is built and speech input is a 400 (a card with no room for it: config/serve-4090.yaml).
     speech_encoder: str = Field(default="tiny", min_length=1)
+
+    @property
+    def speech_input(self) -> bool:
+        """Whether the app takes speech input (an encoder is configured)."""
+        return self.speech_encoder != "none"
     # Replay CUDA graphs of the vocoder's per-chunk stages (StreamingVocoder.use_cuda_graphs); cuda only.
     vocoder_cuda_graphs: bool = False
     # Pad vocoder steps to bucketed rows / codes / windows (StreamingVocoder.use_cuda_graphs(bucket_shapes)),

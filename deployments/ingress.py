@@ -132,7 +132,7 @@ class Ingress:
                 max_input_chars=self._args.max_input_chars,
                 max_new_tokens_limit=self._args.max_new_tokens_limit,
                 default_max_new_tokens=self._args.default_max_new_tokens,
-                max_input_audio_s=self._args.max_input_audio_s)
+                max_input_audio_s=self._args.max_input_audio_s if self._args.speech_input else 0.0)
         return self._limits
 
     async def _read_body(self, request: Request, deadline: float) -> bytes:

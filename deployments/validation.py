@@ -79,7 +79,7 @@ class Limits:
         self.served_model_name = served_model_name
         self.voices = voices
         self.max_input_chars = max_input_chars
-        self.max_input_audio_s = max_input_audio_s
+        self.max_input_audio_s = max_input_audio_s  # 0: speech input is off (no speech encoder)
         self.max_new_tokens_limit = max_new_tokens_limit
         self.default_max_new_tokens = default_max_new_tokens
 
@@ -156,6 +156,9 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
             if isinstance(part, TextPart):
                 content.append({"type": "text", "text": part.text})
                 continue
+            if limits.max_input_audio_s <= 0:
+                raise bad_request("speech input is not enabled on this server (speech_encoder: none)",
+                                  param=f"messages.{index}.content.{number}", code="unsupported_content")
             samples = decode_input_audio(part.input_audio.data, part.input_audio.format,
                                          param=f"messages.{index}.content.{number}.input_audio.data",
                                          max_seconds=limits.max_input_audio_s)

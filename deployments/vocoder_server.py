@@ -24,6 +24,7 @@ from deployments.errors import error_event, internal_error
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
 from deployments.timeline import stamp_codes
+from runtime.errors import InvalidRequestError
 from vocoder.speech_encoder import INPUT_SAMPLE_RATE
 
 logger = logging.getLogger("ray.serve")
@@ -41,20 +42,15 @@ class VocoderServer:
         the 503 when the LLM deployment is over capacity. `speech_encoder`: AppArgs' `speech_encoder`, built
         on the vocoder's device and dtype (seeded by its seed)."""
         from vocoder.config import SAMPLE_RATE
-        from vocoder.speech_encoder import speech_encoder_for
+        from vocoder.speech_encoder import build_speech_encoder_for_serving
         from vocoder.streaming import build_for_serving
 
         batcher_options = dict(streaming or {})  # VocoderBatcher's policy options; its defaults otherwise
         codes_batch_s = batcher_options.pop("codes_batch_s", 0.0)
         kwargs = dict(vocoder_kwargs)
-        self._encoder = speech_encoder_for(speech_encoder, device=kwargs.get("device", "cpu"),
-                                           dtype=kwargs.get("dtype"), seed=kwargs.get("seed", 0))
-        if kwargs.get("cuda_graphs") and self._encoder.device.type == "cuda":
-            self._encoder.use_cuda_graphs()  # one graph per frame bucket, all captured before traffic
-            started = time.monotonic()
-            captured = self._encoder.warm_up()
-            logger.info("speech encoder warm-up: %d graphs captured in %.1f s", captured, time.monotonic() - started)
         self._vocoder, warm = build_for_serving(kwargs.pop("preset"), **kwargs)
+        # after the vocoder: under its memory cap (set by build_for_serving), its graphs captured first
+        self._encoder = None if speech_encoder == "none" else build_speech_encoder_for_serving(speech_encoder, kwargs)
         if warm:
             logger.info("vocoder warm-up: %d graphs captured in %.1f s (%d steps)",
                         warm["graphs_captured"], warm["seconds"], warm["steps"])
@@ -192,6 +188,8 @@ class VocoderServer:
         """The messages with every speech part's samples (16 kHz float32, decoded by the ingress) replaced by
         its codes, `{"type": "audio", "codes": [...]}`: all clips of the request in one call on the vocoder's
         lane 0 (`VocoderBatcher.run`)."""
+        if self._encoder is None:  # the ingress refuses speech input when it is off: this is a second line
+            raise InvalidRequestError("speech input is not enabled on this server (speech_encoder: none)")
         clips = [part["samples"] for _, content in messages if not isinstance(content, str)
                  for part in content if part["type"] == "audio"]
         started = time.monotonic()

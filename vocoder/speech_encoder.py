@@ -406,5 +406,24 @@ def speech_encoder_for(spec: str, *, device: str | torch.device = "cpu",
     return load_speech_encoder(spec, device=device, dtype=dtype)
 
 
+def build_speech_encoder_for_serving(spec: str, vocoder_kwargs: dict[str, Any]) -> SpeechEncoder:
+    """The speech encoder as the vocoder replica builds it beside its vocoder: `spec` (`speech_encoder_for`) on
+    the vocoder's device and dtype, random weights from its seed; with its `cuda_graphs` on a CUDA device, one
+    graph per frame bucket, all captured now (`warm_up`) so that none is captured under traffic."""
+    import logging
+    import time
+
+    encoder = speech_encoder_for(spec, device=vocoder_kwargs.get("device", "cpu"), dtype=vocoder_kwargs.get("dtype"),
+                                 seed=vocoder_kwargs.get("seed", 0))
+    if vocoder_kwargs.get("cuda_graphs") and encoder.device.type == "cuda":
+        encoder.use_cuda_graphs()
+        started = time.monotonic()
+        captured = encoder.warm_up()
+        logging.getLogger(__name__).info("speech encoder warm-up: %d graphs captured in %.1f s", captured,
+                                         time.monotonic() - started)
+    return encoder
+
+
 __all__ = ["INPUT_SAMPLE_RATE", "SpeechEncoder", "SpeechEncoderConfig", "build_speech_encoder",
+           "build_speech_encoder_for_serving",
            "load_speech_encoder", "save_speech_encoder", "speech_encoder_for"]

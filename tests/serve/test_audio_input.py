@@ -143,3 +143,19 @@ def test_parts_the_llm_cannot_take_are_prompt_errors(content) -> None:
         prompt_content(content)
     with pytest.raises(PromptError, match="non-empty tuple"):
         ChatMessage("user", ())
+
+
+def test_speech_input_off_is_a_400_before_any_decoding() -> None:
+    from deployments.args import AppArgs
+
+    assert not AppArgs(speech_encoder="none").speech_input and AppArgs().speech_input
+    off = Limits(served_model_name="moss-speech", voices=["default"], max_input_chars=100,
+                 max_new_tokens_limit=100, default_max_new_tokens=10, max_input_audio_s=0.0)
+    garbage = {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}}
+    with pytest.raises(ApiError) as info:
+        chat_request(chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, garbage]}]), off)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "messages.0.content.1",
+                                                                      "unsupported_content")
+    assert "speech input is not enabled on this server" in info.value.message
+    _, payload = chat_request(chat([{"role": "user", "content": "text still works"}]), off)
+    assert payload["messages"] == [("user", "text still works")]
