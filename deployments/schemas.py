@@ -69,11 +69,12 @@ class TextPart(BaseModel):
 
 
 class InputAudio(BaseModel):
-    """`input_audio` of a content part: base64 of a whole audio file."""
+    """`input_audio` of a content part: base64 of a whole audio file. `format`: OpenAI's wav / mp3, plus flac and
+    ogg (Vorbis or Opus); the file's own header decides how it is decoded."""
 
     model_config = _STRICT
     data: Annotated[str, Field(min_length=1)]
-    format: Literal["wav", "mp3"]
+    format: Literal["wav", "mp3", "flac", "ogg"]
 
 
 class InputAudioPart(BaseModel):

@@ -49,6 +49,13 @@ def test_a_clip_becomes_16_khz_mono_float32_of_the_same_duration(rate: int, chan
     assert abs(float(np.sqrt(np.mean(samples[2000:-2000] ** 2))) - 0.5 / np.sqrt(2)) < 0.01
 
 
+def test_an_ogg_vorbis_clip_decodes() -> None:
+    samples = decode_input_audio(audio_b64(tone(1.0, 48000), 48000, fmt="OGG", subtype="VORBIS"), "ogg", param="p",
+                                 max_seconds=10.0)
+    assert samples.dtype == np.float32 and samples.size == 16000
+    assert abs(float(np.sqrt(np.mean(samples[2000:-2000] ** 2))) - 0.5 / np.sqrt(2)) < 0.02
+
+
 def test_an_mp3_clip_decodes() -> None:
     samples = decode(audio_b64(tone(1.0, 44100), 44100, fmt="MP3", subtype=None))
     assert samples.dtype == np.float32 and abs(samples.size - 16000) <= 1200  # the encoder's padding frames
@@ -96,7 +103,8 @@ def test_a_chat_request_carries_speech_as_samples_between_its_text_parts() -> No
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}],
      "messages.0.content.0.input_audio.format", "Field required"),
     ([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "input_audio", "input_audio": {
-        "data": "AAAA", "format": "ogg"}}]}], "messages.0.content.1.input_audio.format", "'wav' or 'mp3'"),
+        "data": "AAAA", "format": "aac"}}]}], "messages.0.content.1.input_audio.format",
+        "Input should be 'wav', 'mp3', 'flac' or 'ogg'"),
     ([{"role": "user", "content": [speech_part(2.0), speech_part(1.5)]}], "messages",
      "the request's input audio lasts 3.5 s in all; the limit is 3 s"),
 ])
