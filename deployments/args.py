@@ -63,11 +63,6 @@ class AppArgs(BaseModel):
     # Whisper-VQ checkpoint folder, config.json + model*.safetensors (vocoder/speech_encoder.py); "none": no
     # encoder is built and speech input is a 400 (a card with no room for it: config/serve-4090.yaml).
     speech_encoder: str = Field(default="tiny", min_length=1)
-
-    @property
-    def speech_input(self) -> bool:
-        """Whether the app takes speech input (an encoder is configured)."""
-        return self.speech_encoder != "none"
     # Replay CUDA graphs of the vocoder's per-chunk stages (StreamingVocoder.use_cuda_graphs); cuda only.
     vocoder_cuda_graphs: bool = False
     # Pad vocoder steps to bucketed rows / codes / windows (StreamingVocoder.use_cuda_graphs(bucket_shapes)),
@@ -142,7 +137,7 @@ class AppArgs(BaseModel):
     # Request limits enforced by the ingress before any model is touched.
     max_input_chars: int = Field(default=4096, ge=1)
     # Speech input: the seconds of audio one request may carry in all (12.5 prompt rows per second), and the
-    # largest request body (base64 audio is 4/3 of the file: 8 MiB holds ~180 s of 16 kHz PCM16 mono WAV).
+    # largest request body (base64 audio is 4/3 of the file: 8 MiB holds 196 s of 16 kHz PCM16 mono WAV).
     max_input_audio_s: float = Field(default=120.0, gt=0)
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     max_new_tokens_limit: int = Field(default=4096, ge=1)
@@ -218,6 +213,11 @@ class AppArgs(BaseModel):
         except TypeError as exc:
             raise ValueError(f"engine: {exc}".replace("EngineConfig.__init__() ", "")) from None
         return value
+
+    @property
+    def speech_input(self) -> bool:
+        """Whether the app takes speech input (an encoder is configured)."""
+        return self.speech_encoder != "none"
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
