@@ -9,6 +9,13 @@ into the same `VocoderBatcher` the vocoder deployment uses (one `StreamingVocode
 timed as it comes out. Prints ONE JSON summary with the fields of `bench/client.py` (see
 `bench/measure.py`) plus `first_codes_s` (engine-only time to the first codes), so engine time can be
 told apart from serving overhead. `--config` takes engine/vocoder settings from a Serve YAML.
+
+`--speech-input-s S`: speech in. Each request is then a user turn holding an S-second clip (distinct noise
+per request) that the replica's speech encoder (`speech_encoder` of the config, built as the vocoder
+deployment builds it) turns into codes on the batcher's lane 0, as `VocoderServer` does, before the engine
+sees it; times count from before the encode. Each level runs twice, back to back: `prompt_input` "speech",
+then "text", a user turn of text with as many prompt rows (the baseline: the same prefill, no encode).
+Without it, `prompt_input` is "read_aloud" (the speech route's prompt).
 """
 from __future__ import annotations
 
@@ -19,12 +26,16 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.measure import (  # the repo root is on sys.path now
+    FILLER,
     AudioTimeline,
     LoopLag,
     RequestResult,
@@ -43,13 +54,16 @@ _ids = itertools.count()
 class Pipeline:
     """One engine and one batched vocoder, driven the way the deployments drive them."""
 
-    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, **batcher_options: Any) -> None:
+    def __init__(self, engine: Any, vocoder: Any, max_batch_size: int, speech_encoder: Any = None,
+                 **batcher_options: Any) -> None:
         """`batcher_options`: VocoderBatcher's `policy` / `urgent_buffer_s` / `step_code_budget`. Every
-        vocoder call the batcher makes is kept in `steps` (kind, streams, seconds)."""
+        vocoder call the batcher makes is kept in `steps` (kind, streams, seconds), an encode of speech input
+        as kind "encode"."""
         from vocoder.config import SAMPLE_RATE
 
         self.engine = engine
         self.vocoder = vocoder
+        self.speech_encoder = speech_encoder
         self.steps: list[tuple[str, int, float]] = []
         self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
                                       on_step=lambda *step: self.steps.append(step), **batcher_options)
@@ -60,14 +74,37 @@ class Pipeline:
         return speech_request(self.engine.tokenizer, text, max_new_tokens=max_new_tokens,
                               min_new_tokens=min_new_tokens, seed=seed, temperature=temperature)
 
+    def speech_question(self, clip: Any, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
+                        temperature: float | None) -> SpeechQuestion:
+        """A request whose prompt is one user turn of speech (`clip`: 16 kHz float32), to be encoded first."""
+        return SpeechQuestion(f"bench-{next(_ids)}", clip, {"max_new_tokens": max_new_tokens,
+                                                             "min_new_tokens": min_new_tokens, "seed": seed,
+                                                             "temperature": temperature})
+
+    async def encode(self, question: SpeechQuestion) -> Any:
+        """The GenerationRequest of a speech question: its clip encoded on lane 0 (`VocoderBatcher.run`, as
+        `VocoderServer` does), the codes one user turn of audio, audio output."""
+        if self.speech_encoder is None:
+            raise ValueError("this pipeline has no speech encoder")
+        t0 = time.perf_counter()
+        codes = await self.batcher.run(self.speech_encoder.encode, question.clip)
+        self.steps.append(("encode", 1, time.perf_counter() - t0))
+        from runtime.prompts import AudioContent
+
+        return question_request(self.engine.tokenizer, question.request_id, AudioContent(tuple(codes)),
+                                **question.options)
+
     async def run_request(self, request: Any) -> RequestResult:
-        """Generate and vocode one request; engine refusals become a failed result."""
+        """Generate and vocode one request (a SpeechQuestion is encoded first, inside the timing); engine
+        refusals become a failed result."""
         from runtime.errors import EngineOverloadedError, InvalidRequestError
         from runtime.request import AudioCodes, Finished
 
         result = RequestResult(request_id=request.request_id)
         started = time.perf_counter()
         timeline = AudioTimeline(started, result)
+        if isinstance(request, SpeechQuestion):
+            request = await self.encode(request)
         stream = await self.batcher.open("default", request.seed or 0)
         finished: list[Finished] = []
 
@@ -108,6 +145,50 @@ class Pipeline:
         before the next one (`bench.measure.closed_loop`, as `bench/client.py --listen`)."""
         return await closed_loop(lambda: self.run_request(make_request()), concurrency, num_requests, ramp_s,
                                  listen)
+
+
+@dataclass(frozen=True)
+class SpeechQuestion:
+    """A request of speech input before its encode: the clip and the GenerationRequest's other fields."""
+
+    request_id: str
+    clip: Any  # 16 kHz float32 samples
+    options: dict[str, Any]
+
+
+def question_request(tokenizer: Any, request_id: str, content: Any, *, max_new_tokens: int, min_new_tokens: int,
+                     seed: int | None, temperature: float | None) -> Any:
+    """A GenerationRequest whose prompt is one user turn, `content` text or AudioContent (speech input), with
+    audio output."""
+    from runtime.prompts import ChatMessage, build_prompt_rows
+    from runtime.request import GenerationRequest
+    from runtime.sampling import SamplingParams
+
+    rows = build_prompt_rows(tokenizer, [ChatMessage("user", content)], output_modality="audio")
+    audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
+    return GenerationRequest(request_id=request_id, prompt_rows=tuple(rows), audio_sampling=audio,
+                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, seed=seed)
+
+
+def text_question(num_codes: int, variant: int) -> str:
+    """User text whose one-turn prompt has as many rows as a speech question of `num_codes` codes with the
+    presets' byte-level tokenizer (one row per ASCII character; audio: a row per code and two more), starting
+    with the variant's digits reversed so that no two variants share a prefix-cache block."""
+    from runtime.prompts import AudioContent
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.tiny()
+    rows = len(question_request(tokenizer, "", AudioContent((0,) * num_codes), **_ROWS_ONLY).prompt_rows)
+    fixed = len(question_request(tokenizer, "", "", **_ROWS_ONLY).prompt_rows)
+    head = f"{variant % 10**7:07d}"[::-1] + " "
+    if rows - fixed < len(head):
+        raise ValueError(f"a speech question of {num_codes} codes is too short for a text baseline")
+    text = (head + FILLER * ((rows - fixed) // len(FILLER) + 1))[: rows - fixed]
+    assert len(question_request(tokenizer, "", text, **_ROWS_ONLY).prompt_rows) == rows
+    return text
+
+
+_ROWS_ONLY = {"max_new_tokens": 1, "min_new_tokens": 0, "seed": None, "temperature": None}
 
 
 def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
@@ -160,6 +241,7 @@ def split_vocoder_settings(vocoder_kwargs: dict[str, Any]) -> tuple[int, dict[st
 def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     """Engine + vocoder from the config file, then the command-line overrides -> (pipeline, settings)."""
     from runtime.engine import Engine, EngineConfig
+    from vocoder.speech_encoder import build_speech_encoder_for_serving
     from vocoder.streaming import build_for_serving
 
     engine_kwargs, vocoder_kwargs = settings_from_config(args.config)
@@ -189,7 +271,16 @@ def build(args: argparse.Namespace) -> tuple[Pipeline, dict[str, Any]]:
     settings = {"engine": engine_kwargs, "vocoder": {**vocoder_kwargs, "max_batch_size": max_batch,
                                                      **batcher_options},
                 "vocoder_warm_up": warm, "build_s": time.perf_counter() - loaded}
-    return Pipeline(engine, vocoder, max_batch, **batcher_options), settings
+    encoder = None
+    if getattr(args, "speech_input_s", None):
+        spec = args.speech_encoder or (app_args(args.config).get("speech_encoder") if args.config else None) \
+            or vocoder_kwargs["preset"]
+        if spec == "none":
+            raise SystemExit("--speech-input-s needs a speech encoder: the config says none (--speech-encoder)")
+        t0 = time.perf_counter()
+        encoder = build_speech_encoder_for_serving(spec, vocoder_kwargs)  # as the vocoder deployment does
+        settings["speech_encoder"] = {"spec": spec, "build_s": time.perf_counter() - t0}
+    return Pipeline(engine, vocoder, max_batch, encoder, **batcher_options), settings
 
 
 async def run(args: argparse.Namespace, levels: list[int], text: str,
@@ -201,23 +292,37 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
     min_new = args.max_new_tokens if args.fixed_length else 0
 
     variants = itertools.count()
+    options = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": min_new, "seed": args.seed,
+               "temperature": args.temperature}
+    clip_samples = round((args.speech_input_s or 0) * 16000)
+    if clip_samples:
+        num_codes = pipeline.speech_encoder.config.num_codes(clip_samples)
+        summary["request"]["speech_input"] = {"seconds": args.speech_input_s, "samples": clip_samples,
+                                              "codes": num_codes}
 
     def make_request() -> Any:
         if args.prompt_tokens and not args.same_prompt:  # as bench/client.py: distinct user text
-            return pipeline.request(speech_prompt_text(args.prompt_tokens, variant=next(variants)),
-                                    max_new_tokens=args.max_new_tokens, min_new_tokens=min_new,
-                                    seed=args.seed, temperature=args.temperature)
-        return pipeline.request(text, max_new_tokens=args.max_new_tokens, min_new_tokens=min_new,
-                                seed=args.seed, temperature=args.temperature)
+            return pipeline.request(speech_prompt_text(args.prompt_tokens, variant=next(variants)), **options)
+        return pipeline.request(text, **options)
 
+    def make_speech_question() -> Any:  # distinct noise per request: no two prompts share their codes
+        rng = np.random.default_rng(next(variants))
+        return pipeline.speech_question((0.1 * rng.standard_normal(clip_samples)).astype(np.float32), **options)
+
+    def make_text_question() -> Any:  # the baseline: the same one-turn prompt length, in text
+        return question_request(pipeline.engine.tokenizer, f"bench-{next(_ids)}",
+                                text_question(num_codes, next(variants)), **options)
+
+    inputs = [("speech", make_speech_question), ("text", make_text_question)] if clip_samples else \
+        [("read_aloud", make_request)]
     out: list[dict[str, Any]] = []
     lag = LoopLag()
     policies = parse_policies(args.policies) or [(pipeline.batcher.policy, None)]
     default_budget = pipeline.batcher.step_code_budget
     try:
         for concurrency, count in zip(levels, requests_per_level(levels, args.requests), strict=True):
-            for policy, budget in policies:  # the same level under each batching policy, back to back
-                pipeline.batcher.policy = policy
+            for (policy, budget), (prompt_input, make_request) in itertools.product(policies, inputs):
+                pipeline.batcher.policy = policy  # the same level under each policy and input, back to back
                 pipeline.batcher.step_code_budget = budget or default_budget
                 if args.warmup:
                     await pipeline.closed_loop(make_request, concurrency, args.warmup)
@@ -227,7 +332,7 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                                                              args.listen)
                 stats = pipeline.engine.stats()
                 out.append(summarize(results, wall_s, concurrency=concurrency, ramp_s=args.ramp_s, listen=args.listen,
-                                     vocoder_batching=policy,
+                                     prompt_input=prompt_input, vocoder_batching=policy,
                                      step_code_budget=pipeline.batcher.step_code_budget,
                                      driver_loop_lag_s=lag.stop(),
                                      engine_preemptions=stats.num_preemptions,
@@ -296,6 +401,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     text.add_argument("--input", default="Hello there, this is a streaming speech benchmark.")
     text.add_argument("--prompt-tokens", type=int, default=None, help="prompt of exactly this many tokens")
     p.add_argument("--same-prompt", action="store_true", help="with --prompt-tokens: one text for all")
+    p.add_argument("--speech-input-s", type=float, default=None,
+                   help="speech in: each request a user turn of this many seconds of audio, encoded first; "
+                        "each level also runs with a text prompt of as many rows (the baseline)")
+    p.add_argument("--speech-encoder", default=None,
+                   help="with --speech-input-s: tiny, full or a folder (default: the config's speech_encoder, "
+                        "else the vocoder preset)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--fixed-length", action="store_true", help="min_new_tokens = max_new_tokens")
     p.add_argument("--temperature", type=float, default=None)
@@ -312,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     requests_per_level(levels, args.requests)  # fail on a bad --requests before building anything
     parse_policies(args.policies)  # fail on a bad --policies before building anything
+    if args.speech_input_s is not None and (args.speech_input_s < 1.0 or args.prompt_tokens):
+        raise SystemExit("--speech-input-s takes at least 1 (seconds) and excludes --prompt-tokens")
     text = speech_prompt_text(args.prompt_tokens) if args.prompt_tokens else args.input
     summary: dict[str, Any] = {
         "benchmark": "inprocess_speech",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -151,3 +152,36 @@ def test_pipeline_passes_ramp_and_listen_to_the_closed_loop(monkeypatch: pytest.
     assert seen == [(64, 192, 8.5, True), (1, 6, 0.0, False)]
     assert parse_args(["--listen"]).listen and not parse_args([]).listen
 
+
+
+def test_speech_input_runs_each_level_encoded_first_then_as_text_of_the_same_prompt_length(
+        tmp_path: Path) -> None:
+    from bench.pipeline import main, text_question
+
+    out = tmp_path / "speech.json"
+    summary = main(["--preset", "tiny", "--device", "cpu", "--kv-cache-bytes", str(16 * 2**20),
+                    "--speech-input-s", "1.5", "--concurrency", "1,2", "--requests", "2", "--warmup", "0",
+                    "--max-new-tokens", str(CODES), "--fixed-length", "--out", str(out)])
+    assert summary["settings"]["speech_encoder"]["spec"] == "tiny"  # no config: the vocoder's preset
+    assert summary["request"]["speech_input"] == {"seconds": 1.5, "samples": 24000, "codes": 19}
+    levels = summary["levels"]
+    assert [(level["concurrency"], level["prompt_input"]) for level in levels] == [
+        (1, "speech"), (1, "text"), (2, "speech"), (2, "text")]
+    for level in levels:
+        assert (level["num_ok"], level["num_audio_codes_seen"]) == (2, [CODES])
+        # a user turn of 19 codes is 19 + 2 rows of audio between its header and the generation prefix
+        assert level["num_prompt_tokens_seen"] == [41]
+        encodes = level["vocoder_step_kinds"].get("encode", {}).get("count", 0)
+        assert encodes == (2 if level["prompt_input"] == "speech" else 0)
+        assert level["first_codes_s"]["count"] == 2
+    # the text in the audio's place: one byte-level token per character for the segment's 19 + 2 rows
+    assert text_question(19, 5) == "5000000 The quick bro"
+    assert json.loads(out.read_text())["complete"] is True
+
+
+def test_speech_input_needs_at_least_a_second_and_no_prompt_tokens() -> None:
+    from bench.pipeline import main
+
+    for argv in (["--speech-input-s", "0.5"], ["--speech-input-s", "2", "--prompt-tokens", "200"]):
+        with pytest.raises(SystemExit, match="--speech-input-s takes at least 1"):
+            main(argv)
