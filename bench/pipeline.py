@@ -12,7 +12,7 @@ told apart from serving overhead. `--config` takes engine/vocoder settings from 
 
 `--speech-input-s S`: speech in. Each request is then a user turn holding an S-second clip (distinct noise
 per request) that the replica's speech encoder (`speech_encoder` of the config, built as the vocoder
-deployment builds it) turns into codes on the batcher's lane 0, as `VocoderServer` does, before the engine
+deployment builds it) turns into codes on the batcher's side thread, as `VocoderServer` does, before the engine
 sees it; times count from before the encode. Each level runs twice, back to back: `prompt_input` "speech",
 then "text", a user turn of text with as many prompt rows (the baseline: the same prefill, no encode).
 Without it, `prompt_input` is "read_aloud" (the speech route's prompt).
@@ -82,7 +82,7 @@ class Pipeline:
                                                              "temperature": temperature})
 
     async def encode(self, question: SpeechQuestion) -> Any:
-        """The GenerationRequest of a speech question: its clip encoded on lane 0 (`VocoderBatcher.run`, as
+        """The GenerationRequest of a speech question: its clip encoded on the side thread (`VocoderBatcher.run`, as
         `VocoderServer` does), the codes one user turn of audio, audio output."""
         if self.speech_encoder is None:
             raise ValueError("this pipeline has no speech encoder")

@@ -63,6 +63,7 @@ from runtime.errors import is_device_error
 END = None  # put on a stream's queue after its last PCM chunk
 POLICIES = ("deadline", "fifo")
 YIELDS = ("off", "first_chunk", "newcomer")  # `background_yield` settings
+SIDE = -1  # `_call`'s lane key for `run`'s thread
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class VocoderBatcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder")
         self._fast_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-fast")
                                if fast_lane_code_budget is not None else None)
+        # `run`'s thread (the speech encoder): its work never waits for a vocoder step to end
+        self._side_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-side")
         self._streams: list[BatchedStream] = []
         self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
         self._in_flight: set[BatchedStream] = set()  # streams in a step now (on either lane)
@@ -183,7 +186,7 @@ class VocoderBatcher:
             self._fast_task = loop.create_task(self._run(self._fast_round, self._fast_wake), name="vocoder-fast")
 
     async def _call(self, fn: Callable[..., Any], *args: Any, lane: int = 0) -> Any:
-        executor = self._fast_executor if lane else self._executor
+        executor = {0: self._executor, 1: self._fast_executor, SIDE: self._side_executor}[lane]
 
         def timed() -> Any:
             self._busy_since[lane] = time.monotonic()
@@ -195,11 +198,12 @@ class VocoderBatcher:
         return await asyncio.get_running_loop().run_in_executor(executor, timed)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on lane 0's worker thread, between that lane's steps: for other work on the vocoder's
-        device (the speech encoder), which then never launches kernels while a step is captured into a CUDA
-        graph. Timed by the health check like every vocoder call; a device error marks the replica."""
+        """`fn(*args)` on a worker thread of its own (one call at a time), beside the lanes' steps: other work on
+        the vocoder's device (the speech encoder, on a CUDA stream of its own), which so waits for no step.
+        (The graphs are captured in thread-local mode: kernels another thread launches do not break a
+        capture.) Timed by the health check like every vocoder call; a device error marks the replica."""
         try:
-            return await self._call(fn, *args)
+            return await self._call(fn, *args, lane=SIDE)
         except Exception as exc:
             self._note_device_error(exc)
             raise
@@ -213,7 +217,8 @@ class VocoderBatcher:
         now = time.monotonic()
         for lane, since in list(self._busy_since.items()):
             if now - since > call_timeout_s:
-                return f"a vocoder call on lane {lane} has run for {now - since:.0f} s (limit {call_timeout_s:g})"
+                where = "the side thread (speech input)" if lane == SIDE else f"lane {lane}"
+                return f"a vocoder call on {where} has run for {now - since:.0f} s (limit {call_timeout_s:g})"
         return None
 
     def _wake_all(self) -> None:
@@ -520,6 +525,6 @@ class VocoderBatcher:
         for task in (self._task, self._fast_task):
             if task is not None:
                 task.cancel()
-        for executor in (self._executor, self._fast_executor):
+        for executor in (self._executor, self._fast_executor, self._side_executor):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)

@@ -187,7 +187,7 @@ class VocoderServer:
     async def _encode_speech(self, messages: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """The messages with every speech part's samples (16 kHz float32, decoded by the ingress) replaced by
         its codes, `{"type": "audio", "codes": [...]}`: all clips of the request in one call on the vocoder's
-        lane 0 (`VocoderBatcher.run`)."""
+        side thread (`VocoderBatcher.run`; the encoder has its own CUDA stream)."""
         if self._encoder is None:  # the ingress refuses speech input when it is off: this is a second line
             raise InvalidRequestError("speech input is not enabled on this server (speech_encoder: none)")
         clips = [part["samples"] for _, content in messages if not isinstance(content, str)

@@ -28,6 +28,7 @@ MOSS-Speech codec's encoder checkpoint uses these names is not known here (its w
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -217,6 +218,9 @@ class SpeechEncoder(nn.Module):
         super().__init__()
         self.config = cfg
         self._graphed: Any = None  # vocoder.graphs.GraphedFunction after use_cuda_graphs()
+        # CUDA: the stream `encode` runs on (None: the caller's current stream). The vocoder replica gives it
+        # one of its own, so that an encode overlaps the vocoder's steps instead of queueing behind them.
+        self.stream: torch.cuda.Stream | None = None
         self.conv1 = _Conv(cfg.num_mel_bins, cfg.d_model, 1, cfg.causal_convolution)
         self.conv2 = _Conv(cfg.d_model, cfg.d_model, 2, cfg.causal_convolution)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.d_model)
@@ -247,14 +251,15 @@ class SpeechEncoder(nn.Module):
         if self.config.num_codes(audio.numel()) < 1:
             raise ValueError(f"audio of {audio.numel()} samples is too short for one code "
                              f"(at least {MEL_HOP} samples at 16 kHz)")
-        audio = audio.to(self.device)
-        step = self.config.segment_samples
-        codes: list[int] = []
-        for start in range(0, audio.numel(), step):
-            segment = audio[start:start + step]
-            if segment.numel() < MEL_HOP:  # a remainder shorter than one mel frame gives no code
-                continue
-            codes += self._encode_segment(segment).tolist()
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            audio = audio.to(self.device)
+            step = self.config.segment_samples
+            codes: list[int] = []
+            for start in range(0, audio.numel(), step):
+                segment = audio[start:start + step]
+                if segment.numel() < MEL_HOP:  # a remainder shorter than one mel frame gives no code
+                    continue
+                codes += self._encode_segment(segment).tolist()  # (waits for this stream only)
         return codes
 
     def _encode_segment(self, audio: torch.Tensor) -> torch.Tensor:
@@ -408,13 +413,16 @@ def speech_encoder_for(spec: str, *, device: str | torch.device = "cpu",
 
 def build_speech_encoder_for_serving(spec: str, vocoder_kwargs: dict[str, Any]) -> SpeechEncoder:
     """The speech encoder as the vocoder replica builds it beside its vocoder: `spec` (`speech_encoder_for`) on
-    the vocoder's device and dtype, random weights from its seed; with its `cuda_graphs` on a CUDA device, one
-    graph per frame bucket, all captured now (`warm_up`) so that none is captured under traffic."""
+    the vocoder's device and dtype, random weights from its seed; on a CUDA device a stream of its own, and with
+    its `cuda_graphs` one graph per frame bucket, all captured now (`warm_up`) so that none is captured under
+    traffic."""
     import logging
     import time
 
     encoder = speech_encoder_for(spec, device=vocoder_kwargs.get("device", "cpu"), dtype=vocoder_kwargs.get("dtype"),
                                  seed=vocoder_kwargs.get("seed", 0))
+    if encoder.device.type == "cuda":  # its own stream, high priority: a question waits for its encode
+        encoder.stream = torch.cuda.Stream(encoder.device, priority=-1)
     if vocoder_kwargs.get("cuda_graphs") and encoder.device.type == "cuda":
         encoder.use_cuda_graphs()
         started = time.monotonic()

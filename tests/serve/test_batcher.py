@@ -827,6 +827,44 @@ def test_a_hung_vocoder_call_fails_the_health_check_until_it_returns() -> None:
     assert samples == [float(x) for x in (1, 2, 3, 4, 5) for _ in range(SAMPLES)]
 
 
+def test_run_works_beside_a_step_in_flight_and_is_watched_like_the_lanes() -> None:
+    """`run` (the speech encoder's calls) has a thread of its own: it returns while a lane-0 step still hangs;
+    a hung `run` fails the health check naming that thread, and a device error in it marks the replica."""
+    async def main() -> tuple[str, str | None, str | None, list[float]]:
+        vocoder = HangingVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
+        a = await batcher.open("v", seed=1)
+        batcher.push(a, [1, 2, 3, 4, 5])
+        batcher.end(a)
+        while batcher.health_problem(0.05) is None:  # lane 0's step is in flight, hanging
+            await asyncio.sleep(0.01)
+        thread = await asyncio.wait_for(batcher.run(lambda: threading.current_thread().name), timeout=10)
+        vocoder.release.set()
+        samples = await drain(a.out)
+        release = threading.Event()
+        hung = asyncio.ensure_future(batcher.run(release.wait, 30))
+        problem = None
+        while problem is None:
+            await asyncio.sleep(0.01)
+            problem = batcher.health_problem(0.05)
+        release.set()
+        assert await hung is True and batcher.health_problem(0.05) is None
+
+        def broken() -> None:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await batcher.run(broken)
+        device = batcher.health_problem(60.0)
+        await batcher.shutdown()
+        return thread, problem, device, samples
+
+    thread, problem, device, samples = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert thread.startswith("vocoder-side")
+    assert problem.startswith("a vocoder call on the side thread (speech input) has run for ")
+    assert device == "a vocoder call failed with a device error: RuntimeError('CUDA error: an illegal memory access')"
+    assert samples == [float(x) for x in (1, 2, 3, 4, 5) for _ in range(SAMPLES)]
+
+
 def test_the_vocoder_replicas_health_check_raises_the_batchers_problem() -> None:
     from types import SimpleNamespace
 
