@@ -1,4 +1,5 @@
-"""HTTP load generator for `POST /v1/audio/speech` (streamed raw PCM or WAV), closed or open loop.
+"""HTTP load generator for `POST /v1/audio/speech` (streamed raw PCM or WAV), closed or open loop; with
+`--speech-input-s`, spoken questions to `POST /v1/chat/completions` instead.
 
     python bench/client.py --concurrency 1,8,64 --requests 64 --max-new-tokens 100 --fixed-length
     python bench/client.py --rate 4 --duration 60 --max-new-tokens 100 --fixed-length
@@ -11,12 +12,17 @@ faster than real time serves more audio per second than `c` listeners hear. Open
 a Poisson process of `--rate` per second for `--duration` s, no matter how many are still in flight.
 `--warmup` requests run first at every level and are not counted.
 Per request see `bench/measure.py`; the script prints ONE JSON summary and writes a PNG (`--plot`).
+`--speech-input-s S`: each request is a streamed chat whose one user message is an S-second 16 kHz WAV of
+noise (distinct per request) in an `input_audio` part, with audio output; its audio is read from the SSE
+chunks' `delta.audio.data`. Times count from the send, so they include the upload, decode and encode.
 Traffic stays on loopback unless `--allow-remote` is given.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import ipaddress
 import itertools
 import json
@@ -52,6 +58,8 @@ from deployments.timeline import first_audio_stages
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPEECH_PATH = "/v1/audio/speech"
+CHAT_PATH = "/v1/chat/completions"
+INPUT_SAMPLE_RATE = 16000  # the WAVs of --speech-input-s
 REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
 # Prompt variants of this process's requests, from a random start: two client processes against one
 # server (e.g. a closed loop, then listeners) must not send the same texts, or the second one's prompts
@@ -113,6 +121,45 @@ class AudioStream:
             raise WavFormatError(f"WAV format {got}, expected {expected}")
 
 
+class ChatAudioStream:
+    """Turns a streamed chat's SSE bytes into PCM16 sample counts (`delta.audio.data`, base64); keeps a partial
+    event for the next read and the first error event's message in `error`."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> int:
+        """Samples of audio that the complete events in `data` (with what came before) carry."""
+        self._buffer += data
+        *events, self._buffer = self._buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        samples = 0
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    self.error = self.error or f"error event: {chunk['error'].get('message')}"
+                    continue
+                for choice in chunk.get("choices", ()):
+                    audio = (choice.get("delta") or {}).get("audio") or {}
+                    if audio.get("data"):
+                        samples += len(base64.b64decode(audio["data"])) // BYTES_PER_SAMPLE
+        return samples
+
+
+def question_wav(seconds: float, variant: int) -> str:
+    """Base64 of a 16 kHz mono PCM16 WAV of `seconds` of noise, seeded by `variant` (a spoken question's
+    stand-in: the encoder's cost depends on the length only)."""
+    import soundfile
+
+    noise = 0.1 * np.random.default_rng(variant).standard_normal(round(seconds * INPUT_SAMPLE_RATE))
+    buffer = io.BytesIO()
+    soundfile.write(buffer, noise.astype(np.float32), INPUT_SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
 @dataclass
 class SpeechLoad:
     """What every request of a run asks for (OpenAI speech fields plus ours)."""
@@ -130,10 +177,17 @@ class SpeechLoad:
     server_summary: bool = False  # GET /admin/requests/{id} after each request (codes, prompt tokens)
     prompt_tokens: int | None = None  # with unique_prompts: each request gets its own text of this length
     unique_prompts: bool = False
+    speech_input_s: float | None = None  # spoken questions to the chat route instead of text to speak
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return CHAT_PATH if self.speech_input_s else SPEECH_PATH
 
     def payload(self) -> dict[str, Any]:
         """The JSON body of one request."""
+        if self.speech_input_s:
+            return self._chat_payload()
         text = self.input
         if self.unique_prompts and self.prompt_tokens:
             text = speech_prompt_text(self.prompt_tokens, variant=next(_variants))
@@ -142,6 +196,19 @@ class SpeechLoad:
         for key in ("max_new_tokens", "min_new_tokens", "seed", "temperature"):
             if getattr(self, key) is not None:
                 body[key] = getattr(self, key)
+        return {**body, **self.extra}
+
+    def _chat_payload(self) -> dict[str, Any]:
+        """A streamed chat with audio output whose user message is one spoken question. `max_new_tokens` is
+        chat's `max_tokens`; `temperature`, which in chat samples the text channel, is not sent."""
+        part = {"type": "input_audio",
+                "input_audio": {"data": question_wav(self.speech_input_s, next(_variants)), "format": "wav"}}
+        body: dict[str, Any] = {"model": self.model, "stream": True, "modalities": ["text", "audio"],
+                                "audio": {"voice": self.voice, "format": "pcm16"},
+                                "messages": [{"role": "user", "content": [part]}]}
+        for key, name in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_new_tokens"), ("seed", "seed")):
+            if getattr(self, key) is not None:
+                body[name] = getattr(self, key)
         return {**body, **self.extra}
 
 
@@ -181,11 +248,11 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
     started = time.perf_counter()
     sent_at = time.time()  # wall clock, to place the server's timeline marks
     timeline = AudioTimeline(started, result)
-    audio = AudioStream(load.response_format)
+    audio = ChatAudioStream() if load.speech_input_s else AudioStream(load.response_format)
     try:
         # the whole request, not each read: a server trickling bytes would otherwise keep it alive for ever
         async with asyncio.timeout(load.timeout_s), client.stream(
-                "POST", load.url + SPEECH_PATH, json=body, timeout=httpx.Timeout(load.timeout_s, connect=10.0),
+                "POST", load.url + load.path, json=body, timeout=httpx.Timeout(load.timeout_s, connect=10.0),
         ) as response:
             result.status = response.status_code
             result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
@@ -196,10 +263,11 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
             else:
                 async for data in response.aiter_raw():
                     timeline.add(time.perf_counter(), audio.feed(data))
+                result.error = getattr(audio, "error", None)  # a chat's error event after its 200
         timeline.finish(time.perf_counter())
         if result.status == 200 and load.server_summary and result.request_id:
             await _add_server_summary(client, load, result, sent_at)
-    except (httpx.HTTPError, WavFormatError) as exc:
+    except (httpx.HTTPError, WavFormatError, ValueError) as exc:  # ValueError: an event that is not JSON
         timeline.finish(time.perf_counter())
         result.error = f"{type(exc).__name__}: {exc}"
     except TimeoutError:
@@ -315,6 +383,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--same-prompt", action="store_true",
                    help="with --prompt-tokens: every request sends the same text (default: each request's "
                         "text starts with its own number, so only the system prompt hits the prefix cache)")
+    text.add_argument("--speech-input-s", type=float, default=None,
+                      help="spoken questions: each request a streamed chat with a WAV of this many seconds")
     p.add_argument("--voice", default="default")
     p.add_argument("--response-format", choices=("pcm", "wav"), default="pcm")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -344,13 +414,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--listen is for the closed loop; an open loop's arrivals do not wait for listeners")
     if args.rate is not None and not (args.rate > 0 and args.duration > 0):
         raise SystemExit("--rate and --duration must be > 0")
+    if args.speech_input_s is not None and not args.speech_input_s >= 0.08:
+        raise SystemExit("--speech-input-s must be at least 0.08 (one code)")
     text = prompt_text(args.prompt_tokens) if args.prompt_tokens else (args.input or SpeechLoad.input)
     load = SpeechLoad(url=url, model=args.model, input=text, voice=args.voice,
                       response_format=args.response_format, max_new_tokens=args.max_new_tokens,
                       min_new_tokens=args.max_new_tokens if args.fixed_length else None, seed=args.seed,
                       temperature=args.temperature, timeout_s=args.timeout,
                       server_summary=args.server_summary, prompt_tokens=args.prompt_tokens,
-                      unique_prompts=bool(args.prompt_tokens) and not args.same_prompt)
+                      unique_prompts=bool(args.prompt_tokens) and not args.same_prompt,
+                      speech_input_s=args.speech_input_s)
     request = {k: v for k, v in asdict(load).items() if k not in ("input", "extra", "url")}
     request.update(input_chars=len(text), input_head=text[:48])
     summary: dict[str, Any] = {

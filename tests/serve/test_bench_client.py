@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.client import (
     AudioStream,
+    ChatAudioStream,
     SpeechLoad,
     WavFormatError,
     check_url,
@@ -86,6 +87,48 @@ def test_audio_stream_skips_chunks_before_data_and_rejects_other_formats() -> No
     with pytest.raises(WavFormatError, match="RIFF"):
         AudioStream("wav").feed(b"\x00" * 44)
     assert AudioStream("pcm").feed(b"\x00" * 7) == 3
+
+
+def test_chat_audio_stream_counts_audio_deltas_across_split_reads_and_keeps_the_first_error() -> None:
+    import base64
+    import json
+
+    def event(payload: object) -> bytes:
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    def audio(num_samples: int) -> dict:
+        data = base64.b64encode(b"\1\0" * num_samples).decode()
+        return {"choices": [{"index": 0, "delta": {"audio": {"data": data}}, "finish_reason": None}]}
+
+    text = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    body = event(text) + event(audio(480)) + event(audio(7)) + b"data: [DONE]\n\n"
+    stream = ChatAudioStream()
+    counts = [stream.feed(body[i:i + 50]) for i in range(0, len(body), 50)]
+    assert sum(counts) == 487 and stream.error is None
+    assert all(c == 0 for c in counts[:2])  # nothing counted before its event is complete
+    failing = ChatAudioStream()
+    assert failing.feed(event(audio(10)) + event({"error": {"message": "vocoder step failed"}})
+                        + event({"error": {"message": "second"}})) == 10
+    assert failing.error == "error event: vocoder step failed"
+
+
+def test_a_speech_load_sends_a_streamed_chat_with_one_spoken_question() -> None:
+    import base64
+    import io
+
+    import soundfile
+
+    load = SpeechLoad(speech_input_s=1.5, max_new_tokens=12, min_new_tokens=12, seed=4, temperature=0.7)
+    first, second = load.payload(), load.payload()
+    assert load.path == "/v1/chat/completions"
+    part = first["messages"][0]["content"][0]
+    assert {k: v for k, v in first.items() if k != "messages"} == {
+        "model": "moss-speech", "stream": True, "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"}, "max_tokens": 12, "min_new_tokens": 12, "seed": 4}
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
+    assert (part["type"], part["input_audio"]["format"], rate, samples.shape) == ("input_audio", "wav", 16000,
+                                                                                  (24000,))
+    assert second["messages"] != first["messages"]  # distinct noise per request
 
 
 def test_check_url_refuses_non_loopback_hosts_unless_allowed() -> None:
@@ -283,3 +326,18 @@ def test_client_counts_match_the_servers_reports_and_metrics(serve_base_url: str
     assert summary["audio_s_total"] == pytest.approx(6 * CODES * 0.08, rel=1e-12)
     underruns = summary["underruns"]
     assert underruns["total"] == sum(r.num_underruns for r in results) == sum(underruns["by_audio_played_s"].values())
+
+
+def test_spoken_questions_are_timed_from_the_send_with_the_encode_as_a_stage(serve_base_url: str) -> None:
+    """`--speech-input-s 1`: a 1 s WAV is 13 codes, a user turn of 13 + 2 audio rows between its header and the
+    generation prefix (35 rows); the client counts the audio of the chat's deltas, and the server's timeline
+    now has the speech_encode stage inside the time to first audio."""
+    load = SpeechLoad(url=check_url(serve_base_url), speech_input_s=1.0, max_new_tokens=CODES,
+                      min_new_tokens=CODES, seed=3, timeout_s=120.0, server_summary=True)
+    results = asyncio.run(_run(load, 2, 3))
+    assert [(r.status, r.error) for r in results] == [(200, None)] * 3
+    for r in results:
+        assert (r.num_audio_codes, r.num_prompt_tokens, r.num_samples) == (CODES, 35, CODES * 1920)
+        assert list(r.first_audio_stages_s) == [name for name, _ in STAGES]
+        assert sum(r.first_audio_stages_s.values()) == pytest.approx(r.ttfa_s, abs=1e-6)
+        assert r.first_audio_stages_s["speech_encode"] > 0
