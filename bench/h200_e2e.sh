@@ -23,7 +23,9 @@
 # SERVE_OPTIMIZED (1: bench/serve_app.py --throughput-optimized, Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED=1) with
 # CLIENT_DIRECT (1: the client sends to the ingress replica's own HTTP server, the ready file's direct_url,
 # instead of Serve's proxy), MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
-# processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only).
+# processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only),
+# SPEECH_LEVELS / SPEECH_REQUESTS / SPEECH_INPUT_S (a closed loop of spoken questions after the text one:
+# bench/client.py --speech-input-s, streamed chats with a WAV of SPEECH_INPUT_S seconds, default 5; none by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -200,6 +202,19 @@ EOF
     log "$what client exit $?"
     snapshot "$name"
   }
+  if [ -n "${SPEECH_LEVELS:-}" ]; then  # spoken questions: the chat route, the speech encoder before the LLM
+    SPEECH_CMD=("$PY" bench/client.py --url "$URL" --concurrency "$SPEECH_LEVELS" --warmup "$WARMUP"
+                --speech-input-s "${SPEECH_INPUT_S:-5}" --max-new-tokens "$MAX_NEW_TOKENS" --fixed-length
+                --server-summary --timeout 300 --label "$MODE serve $CONFIG spoken questions"
+                --out "$OUT/client_speech.json")
+    [ -n "${SPEECH_REQUESTS:-}" ] && SPEECH_CMD+=(--requests "$SPEECH_REQUESTS")
+    record "${SPEECH_CMD[@]}"
+    T_CLIENT=$(cap $(( $(left) - RESERVE )))
+    log "spoken-question client (timeout ${T_CLIENT}s): ${SPEECH_CMD[*]}"
+    timeout --kill-after=10 "$T_CLIENT" "${SPEECH_CMD[@]}" > "$OUT/client_speech.stdout" 2>> "$OUT/client_stderr.txt"
+    log "spoken-question client exit $?"
+    snapshot speech
+  fi
   # the closed loop again in steady state; then listeners, each hearing a reply in real time before the next
   [ -n "$STEADY_LEVELS" ] && ramped_client steady "$STEADY_LEVELS" "$STEADY_REQUESTS" steady
   [ -n "$LISTEN_LEVELS" ] && ramped_client listen "$LISTEN_LEVELS" "$LISTEN_REQUESTS" listeners --listen
@@ -266,7 +281,7 @@ fi
 "$PY" - "$OUT" <<'EOF' 2>&1 | tee "$OUT/digest.txt"
 import json, os, sys
 out = sys.argv[1]
-for name in ["client_closed.json", "client_steady.json", "client_listen.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
+for name in ["client_closed.json", "client_speech.json", "client_steady.json", "client_listen.json", "pipeline.json"] + sorted(f for f in os.listdir(out) if f.startswith("client_open_") and f.endswith(".json")):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         print(f"{name}: missing"); continue
@@ -295,7 +310,7 @@ EOF
 import os, sys
 from deployments.monitor import delta, parse_samples, summarize, histogram_buckets, histogram_quantile
 out = sys.argv[1]
-names = [n for n in ("start", "closed", "steady", "listen") if os.path.exists(f"{out}/metrics_{n}.prom")]
+names = [n for n in ("start", "closed", "speech", "steady", "listen") if os.path.exists(f"{out}/metrics_{n}.prom")]
 names += sorted(f[8:-5] for f in os.listdir(out) if f.startswith("metrics_open_") and f.endswith(".prom"))
 ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"
 for before, after in zip(names, names[1:]):
@@ -305,7 +320,7 @@ for before, after in zip(names, names[1:]):
     line = " ".join(f"{label} p50/p99={ms(s[key]['p50'])}/{ms(s[key]['p99'])}" for key, label in (
         ("time_to_first_code_s", "first_code"), ("time_to_first_pcm_s", "first_pcm"), ("time_to_first_audio_s", "ttfa")))
     steps = []
-    for kind in ("first", "urgent", "background", "fifo", "finish", "fast-first", "fast-urgent"):
+    for kind in ("first", "urgent", "background", "fifo", "finish", "fast-first", "fast-urgent", "encode"):
         b = histogram_buckets([x for x in samples if x.labels.get("kind") == kind], "ray_moss_vocoder_step_seconds")
         if b and b[-1][1]:
             steps.append(f"{kind} n={int(b[-1][1])} p50/p99={ms(histogram_quantile(0.5, b))}/{ms(histogram_quantile(0.99, b))}")
