@@ -47,7 +47,6 @@ from bench.measure import (  # the repo root is on sys.path now
     summarize,
 )
 from deployments.batcher import END, VocoderBatcher  # pure asyncio: no Ray import
-from deployments.encode_queue import EncodeQueue
 
 _ids = itertools.count()
 
@@ -65,13 +64,9 @@ class Pipeline:
         self.engine = engine
         self.vocoder = vocoder
         self.speech_encoder = speech_encoder
-        self.encode_queue = None  # as VocoderServer: concurrent questions' clips encoded together
         self.steps: list[tuple[str, int, float]] = []
         self.batcher = VocoderBatcher(vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
                                       on_step=lambda *step: self.steps.append(step), **batcher_options)
-        if speech_encoder is not None:
-            self.encode_queue = EncodeQueue(speech_encoder.encode_batch, self.batcher.run,  # as VocoderServer
-                                            max_clips=8 if speech_encoder.device.type == "cuda" else 1)
 
     def request(self, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
                 temperature: float | None) -> Any:
@@ -87,13 +82,12 @@ class Pipeline:
                                                              "temperature": temperature})
 
     async def encode(self, question: SpeechQuestion) -> Any:
-        """The GenerationRequest of a speech question: its clip encoded with the other questions waiting, on the
-        side thread (`EncodeQueue` on `VocoderBatcher.run`, as `VocoderServer` does), the codes one user turn of
-        audio, audio output."""
-        if self.encode_queue is None:
+        """The GenerationRequest of a speech question: its clip encoded on the side thread (`VocoderBatcher.run`, as
+        `VocoderServer` does), the codes one user turn of audio, audio output."""
+        if self.speech_encoder is None:
             raise ValueError("this pipeline has no speech encoder")
         t0 = time.perf_counter()
-        (codes,) = await self.encode_queue.encode([question.clip])
+        codes = await self.batcher.run(self.speech_encoder.encode, question.clip)
         self.steps.append(("encode", 1, time.perf_counter() - t0))
         from runtime.prompts import AudioContent
 
@@ -334,8 +328,6 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                     await pipeline.closed_loop(make_request, concurrency, args.warmup)
                 lag.start()
                 del pipeline.steps[:]
-                if pipeline.encode_queue is not None:
-                    pipeline.encode_queue.batch_sizes = []
                 results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s,
                                                              args.listen)
                 stats = pipeline.engine.stats()
@@ -345,9 +337,7 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                                      driver_loop_lag_s=lag.stop(),
                                      engine_preemptions=stats.num_preemptions,
                                      vocoder_steps=pipeline.batcher.num_steps,
-                                     vocoder_step_kinds=step_kinds(pipeline.steps),
-                                     encode_batch_clips=(list(pipeline.encode_queue.batch_sizes)
-                                                         if prompt_input == "speech" else None)))
+                                     vocoder_step_kinds=step_kinds(pipeline.steps)))
             summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")), levels=out)
             if args.out:
                 Path(args.out).write_text(json.dumps(summary) + "\n")

@@ -14,9 +14,6 @@ clock. For each clip length:
 - the baseline in the same run: eager (every kernel launched from Python) against the serving path's CUDA
   graphs (one per frame bucket, `SpeechEncoder.use_cuda_graphs`, on CUDA), and the same weights in float32
   eager (`--no-baseline` skips it), with the fraction of codes each reproduces;
-- with `--batch N`: N distinct clips of the length encoded in one `encode_batch` call (what the vocoder
-  replica does with the questions waiting together) against N `encode` calls one after another (the
-  serving path's graphs on CUDA: each clip alone), and the fraction of codes the batch reproduces;
 - the roofline in the same run: the clip's matmul FLOPs (2 x parameters used per frame x frames, plus
   attention's 4 x frames^2 x width per layer) against the bf16 matmul rate measured now (an 8192^3 product).
 """
@@ -48,8 +45,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-baseline", action="store_true", help="skip the float32 baseline")
     parser.add_argument("--profile", type=float, default=None,
                         help="also profile one encode of a clip this many seconds long (torch.profiler table)")
-    parser.add_argument("--batch", type=int, default=0,
-                        help="also time encode_batch of this many clips per length against one encode each")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -117,20 +112,6 @@ def profile_table(model: SpeechEncoder, num_samples: int, device: torch.device) 
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
-def batch_entry(model: SpeechEncoder, num_samples: int, size: int, rng: np.random.Generator,
-                device: torch.device, warmup: int, reps: int) -> dict:
-    """`size` distinct clips of `num_samples`: one `encode_batch` call against `size` `encode` calls in a row;
-    checked first: each clip's batched codes have its length, and the fraction equal to its lone codes."""
-    clips = [(rng.standard_normal(num_samples) * 0.1).astype(np.float32) for _ in range(size)]
-    alone = [model.encode(clip) for clip in clips]
-    batched = model.encode_batch(clips)
-    assert [len(codes) for codes in batched] == [len(codes) for codes in alone]
-    same = sum(a == b for one, other in zip(alone, batched, strict=True) for a, b in zip(one, other, strict=True))
-    return {"clips": size, "codes_equal_alone": round(same / sum(len(codes) for codes in alone), 4),
-            "encode_batch": wall_ms(lambda: model.encode_batch(clips), device, warmup, reps),
-            "encode_one_by_one": wall_ms(lambda: [model.encode(clip) for clip in clips], device, warmup, reps)}
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -186,8 +167,6 @@ def main(argv: list[str] | None = None) -> None:
             entry["eager_codes_equal_float32"] = round(sum(a == b for a, b in zip(codes, reference, strict=True))
                                                  / len(codes), 4)
             entry["float32_eager_encode"] = wall_ms(lambda c=clip: baseline.encode(c), device, args.warmup, args.reps)
-        if args.batch > 1:
-            entry["batch"] = batch_entry(graphed or model, n, args.batch, rng, device, args.warmup, args.reps)
         result["clips"].append(entry)
         print(json.dumps(entry), file=sys.stderr, flush=True)
     if args.profile is not None:

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepError, VocoderUnhealthyError
-from deployments.encode_queue import EncodeQueue
 from deployments.errors import error_event, internal_error
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
@@ -65,11 +64,6 @@ class VocoderServer:
         self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
                                        on_step=self._on_step, **batcher_options)
         self._codes_stream = {"eager_codes": self._vocoder.codes_for_two_chunks, "batch_s": codes_batch_s}
-        # concurrent requests' speech clips encoded together, on the batcher's side thread; on CUDA only, where
-        # an encode is bound by its launches (on the CPU a batch padded to its longest clip costs more)
-        self._encode_queue = (EncodeQueue(self._encoder.encode_batch, self._batcher.run,
-                                          max_clips=8 if self._encoder.device.type == "cuda" else 1)
-                              if self._encoder is not None else None)
         self._num_active = 0
         self._metrics.active_streams.set(0)
 
@@ -192,15 +186,14 @@ class VocoderServer:
 
     async def _encode_speech(self, messages: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """The messages with every speech part's samples (16 kHz float32, decoded by the ingress) replaced by
-        its codes, `{"type": "audio", "codes": [...]}`: the request's clips with those of the other requests
-        waiting (`EncodeQueue`), in one call on the vocoder's side thread (`VocoderBatcher.run`; the encoder has
-        its own CUDA stream)."""
-        if self._encode_queue is None:  # the ingress refuses speech input when it is off: this is a second line
+        its codes, `{"type": "audio", "codes": [...]}`: all clips of the request in one call on the vocoder's
+        side thread (`VocoderBatcher.run`; the encoder has its own CUDA stream)."""
+        if self._encoder is None:  # the ingress refuses speech input when it is off: this is a second line
             raise InvalidRequestError("speech input is not enabled on this server (speech_encoder: none)")
         clips = [part["samples"] for _, content in messages if not isinstance(content, str)
                  for part in content if part["type"] == "audio"]
         started = time.monotonic()
-        codes = iter(await self._encode_queue.encode(clips))
+        codes = iter(await self._batcher.run(lambda: [self._encoder.encode(clip) for clip in clips]))
         self._metrics.step_seconds.observe(time.monotonic() - started, tags={"kind": "encode"})
         self._metrics.speech_input_seconds.inc(sum(clip.size for clip in clips) / INPUT_SAMPLE_RATE)
         return [(role, content if isinstance(content, str) else [

@@ -180,13 +180,12 @@ class _SelfAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """`x` [B, T, d]; `bias` [B, 1, T, T]."""
-        b, t, d = x.shape
-        # [B, heads, T, head dim]: the fused attention kernels take 4-D inputs only (3-D ones run the math path)
-        q, k, v = (proj(x).view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2)
+        t, d = x.shape
+        # [1, heads, T, head dim]: the fused attention kernels take 4-D inputs only (3-D ones run the math path)
+        q, k, v = (proj(x).view(1, t, self.num_heads, d // self.num_heads).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None, None])
+        return self.out_proj(out.transpose(1, 2).reshape(t, d))
 
 
 class _Layer(nn.Module):
@@ -201,7 +200,7 @@ class _Layer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """`x` [B, T, d]; `bias` [B, 1, T, T]: 0 where a frame may attend, -inf elsewhere."""
+        """`bias` [T, T]: 0 where a frame may attend, -inf elsewhere."""
         x = x + self.self_attn(self.self_attn_layer_norm(x), bias)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
@@ -246,81 +245,59 @@ class SpeechEncoder(nn.Module):
     def encode(self, audio: np.ndarray | torch.Tensor) -> list[int]:
         """Codes of a 16 kHz mono clip (float samples in [-1, 1]); `config.num_codes(len(audio))` of them,
         each in 0..codebook_size-1. ValueError for a clip too short for one code or not one-dimensional."""
-        return self.encode_batch([audio])[0]
-
-    @torch.inference_mode()
-    def encode_batch(self, clips: list[np.ndarray | torch.Tensor]) -> list[list[int]]:
-        """`encode` of each clip. One clip runs through its bucket's CUDA graph (after `use_cuda_graphs`);
-        several run as one batch, every 30 s segment padded to the longest one's bucket, eagerly: the encode is
-        bound by its kernel launches, so one batched pass costs about what one clip's eager pass does, where
-        one graph replay per clip would cost their sum. ValueError as `encode`, naming the clip."""
-        segments: list[torch.Tensor] = []
-        owners: list[int] = []
-        for index, clip in enumerate(clips):
-            audio = torch.as_tensor(clip, dtype=torch.float32)
-            where = f"clip {index}: " if len(clips) > 1 else ""
-            if audio.ndim != 1:
-                raise ValueError(f"{where}audio must be one channel [samples], got shape {tuple(audio.shape)}")
-            if self.config.num_codes(audio.numel()) < 1:
-                raise ValueError(f"{where}audio of {audio.numel()} samples is too short for one code "
-                                 f"(at least {MEL_HOP} samples at 16 kHz)")
-            step = self.config.segment_samples
-            for start in range(0, audio.numel(), step):
-                if audio.numel() - start >= MEL_HOP:  # a remainder shorter than one mel frame gives no code
-                    segments.append(audio[start:start + step])
-                    owners.append(index)
+        audio = torch.as_tensor(audio, dtype=torch.float32)
+        if audio.ndim != 1:
+            raise ValueError(f"audio must be one channel [samples], got shape {tuple(audio.shape)}")
+        if self.config.num_codes(audio.numel()) < 1:
+            raise ValueError(f"audio of {audio.numel()} samples is too short for one code "
+                             f"(at least {MEL_HOP} samples at 16 kHz)")
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            codes = self._encode_segments(segments)  # (its read-back waits for this stream only)
-        out: list[list[int]] = [[] for _ in clips]
-        for owner, segment_codes in zip(owners, codes, strict=True):
-            out[owner] += segment_codes
-        return out
+            audio = audio.to(self.device)
+            step = self.config.segment_samples
+            codes: list[int] = []
+            for start in range(0, audio.numel(), step):
+                segment = audio[start:start + step]
+                if segment.numel() < MEL_HOP:  # a remainder shorter than one mel frame gives no code
+                    continue
+                codes += self._encode_segment(segment).tolist()  # (waits for this stream only)
+        return codes
 
-    def _encode_segments(self, segments: list[torch.Tensor]) -> list[list[int]]:
-        """Codes of each segment (host samples of at most 30 s): the log-mel eagerly, then the rest
-        (`codes_of_frames`) on the mels padded to a `FRAME_BUCKET` multiple of frames (the longest segment's
-        bucket), through the bucket's CUDA graph for a lone segment after `use_cuda_graphs`."""
-        mels, frames = [], []
-        for segment in segments:
-            audio = segment.to(self.device)
-            mels.append(log_mel(F.pad(audio, (0, max(0, N_FFT // 2 + 1 - audio.numel()))), self.mel_filters))
-            frames.append((segment.numel() // MEL_HOP + 1) // 2)  # after the stride-2 convolution
-        padded = min(self.config.max_source_positions, -(-max(frames) // FRAME_BUCKET) * FRAME_BUCKET)
-        mel_in = torch.zeros(len(segments), self.config.num_mel_bins, 2 * padded, device=self.device,
-                             dtype=self.codebook.weight.dtype)
-        for row, (mel, segment) in enumerate(zip(mels, segments, strict=True)):
-            num_frames = segment.numel() // MEL_HOP
-            mel_in[row, :, :num_frames] = mel[:, :num_frames]
-        counts = torch.tensor(frames, device=self.device)
-        lone = len(segments) == 1 and self._graphed is not None
-        codes = (self._graphed if lone else self.codes_of_frames)(mel_in, counts).tolist()
-        k = self.config.pooling_kernel_size
-        return [row[:-(-n // k)] for row, n in zip(codes, frames, strict=True)]
+    def _encode_segment(self, audio: torch.Tensor) -> torch.Tensor:
+        """Codes of one segment: the log-mel eagerly, then the rest (`codes_of_frames`) on the mel padded to a
+        `FRAME_BUCKET` multiple of frames, through a CUDA graph per bucket after `use_cuda_graphs`."""
+        mel = log_mel(F.pad(audio, (0, max(0, N_FFT // 2 + 1 - audio.numel()))), self.mel_filters)
+        num_frames = audio.numel() // MEL_HOP
+        frames = (num_frames + 1) // 2  # after the stride-2 convolution
+        padded = min(self.config.max_source_positions, -(-frames // FRAME_BUCKET) * FRAME_BUCKET)
+        mel_in = torch.zeros(self.config.num_mel_bins, 2 * padded, device=self.device, dtype=self.codebook.weight.dtype)
+        mel_in[:, :num_frames] = mel[:, :num_frames]
+        count = torch.tensor(frames, device=self.device)
+        run = self._graphed if self._graphed is not None else self.codes_of_frames
+        return run(mel_in, count)[:-(-frames // self.config.pooling_kernel_size)]
 
     def codes_of_frames(self, mel: torch.Tensor, num_frames: torch.Tensor) -> torch.Tensor:
-        """Codes [B, T / pooling] of log-mels [B, mel bins, 2T] whose first `num_frames[b]` (a [B] device tensor)
-        of the T frames after the convolutions are clip b's: the later ones are masked out as keys and zeroed
-        before the pooling, so a clip's codes are those of the clip alone (up to the products' rounding).
-        Static shapes: one CUDA graph serves every lone clip of a bucket."""
+        """Codes [T / pooling] of a log-mel [mel bins, 2T] whose first `num_frames` (a 0-d device tensor) of the T
+        frames after the convolutions are the clip's: the later ones are masked out as keys and zeroed before the
+        pooling, so the clip's codes are those of the clip alone (up to the products' rounding). Static shapes:
+        one CUDA graph serves every clip of a bucket."""
         x = F.gelu(self.conv1(mel))
-        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [B, T, d] at 50 frames/s
-        batch, frames = x.shape[:2]
-        x = x + self.embed_positions.weight[:frames]
-        valid = torch.arange(frames, device=x.device)[None, :] < num_frames[:, None]  # [B, T]
-        allowed = block_causal(frames, self.config.causal_block_size, x.device)[None] & valid[:, None, :]
+        x = F.gelu(self.conv2(x)).transpose(0, 1)  # [T, d] at 50 frames/s
+        x = x + self.embed_positions.weight[:x.shape[0]]
+        valid = torch.arange(x.shape[0], device=x.device) < num_frames
+        allowed = block_causal(x.shape[0], self.config.causal_block_size, x.device) & valid[None, :]
         # rows 16-byte aligned (a width of 8k): PyTorch's memory-efficient attention takes such a bias as it is
-        width = -(-frames // 8) * 8
-        bias = torch.zeros(batch, 1, frames, width, device=x.device, dtype=x.dtype)[..., :frames]
-        bias.masked_fill_(~allowed[:, None], float("-inf"))
+        width = -(-x.shape[0] // 8) * 8
+        bias = torch.zeros(x.shape[0], width, device=x.device, dtype=x.dtype)[:, :x.shape[0]]
+        bias.masked_fill_(~allowed, float("-inf"))
         for layer in self.layers:
             x = layer(x, bias)
-        x = x * valid[..., None].to(x.dtype)
+        x = x * valid[:, None].to(x.dtype)
         k = self.config.pooling_kernel_size
-        x = F.pad(x.transpose(1, 2), (0, (-frames) % k))  # [B, d, T]
-        pooled = F.avg_pool1d(x, k).transpose(1, 2).float()  # [B, codes, d]
+        x = F.pad(x.transpose(0, 1), (0, (-x.shape[0]) % k))
+        pooled = F.avg_pool1d(x[None], k)[0].transpose(0, 1).float()  # [codes, d]
         book = self.codebook.weight.float()
-        distances = pooled.square().sum(-1, keepdim=True) + book.square().sum(1) - 2 * pooled @ book.T
-        return distances.argmin(dim=-1)
+        distances = pooled.square().sum(1, keepdim=True) + book.square().sum(1) - 2 * pooled @ book.T
+        return distances.argmin(dim=1)
 
     def use_cuda_graphs(self) -> None:
         """Run `codes_of_frames` through one captured CUDA graph per frame bucket (on CPU the same buffers are

@@ -92,25 +92,9 @@ def test_padding_to_the_frame_bucket_leaves_the_codes_of_the_clip_alone(encoder,
     num_frames = num_samples // 160
     frames = (num_frames + 1) // 2
     mel = log_mel(torch.from_numpy(clip), encoder.mel_filters)[:, :num_frames]
-    exact = encoder.codes_of_frames(torch.nn.functional.pad(mel, (0, 2 * frames - num_frames))[None],
-                                    torch.tensor([frames]))[0]
+    exact = encoder.codes_of_frames(torch.nn.functional.pad(mel, (0, 2 * frames - num_frames)), torch.tensor(frames))
     assert encoder.encode(clip) == exact.tolist()  # padded to a multiple of FRAME_BUCKET frames inside
     assert frames % FRAME_BUCKET or num_samples == 480_000  # the cases do pad (30 s fills the last bucket)
-
-
-def test_a_batch_of_clips_gives_each_clips_own_codes_in_one_pass(encoder, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Clips of 0.3 s to 31 s (the last two 30 s segments) in one eager pass padded to the longest bucket:
-    each clip's codes are those it gets alone."""
-    clips = [noise(n, seed=n) for n in (4_800, 16_000, 81_000, 496_000)]
-    alone = [encoder.encode(clip) for clip in clips]
-    passes: list[tuple[int, ...]] = []
-    real = encoder.codes_of_frames
-    monkeypatch.setattr(encoder, "codes_of_frames", lambda mel, n: passes.append(tuple(mel.shape)) or real(mel, n))
-    assert encoder.encode_batch(clips) == alone
-    assert [len(codes) for codes in alone] == [TINY.num_codes(clip.size) for clip in clips] == [4, 13, 64, 388]
-    assert passes == [(5, TINY.num_mel_bins, 3000)]  # 5 segments, all padded to the 30 s bucket
-    with pytest.raises(ValueError, match="clip 1: audio of 100 samples is too short for one code"):
-        encoder.encode_batch([clips[0], np.zeros(100, dtype=np.float32)])
 
 
 def test_graphed_encoding_gives_the_eager_codes_with_one_graph_per_bucket() -> None:
