@@ -70,7 +70,7 @@ class TextPart(BaseModel):
 
 class InputAudio(BaseModel):
     """`input_audio` of a content part: base64 of a whole audio file. `format`: OpenAI's wav / mp3, plus flac and
-    ogg (Vorbis or Opus); the file's own header decides how it is decoded."""
+    ogg (Vorbis tested); the file's own header decides how it is decoded."""
 
     model_config = _STRICT
     data: Annotated[str, Field(min_length=1)]
