@@ -59,7 +59,7 @@ from deployments.timeline import first_audio_stages
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPEECH_PATH = "/v1/audio/speech"
 CHAT_PATH = "/v1/chat/completions"
-INPUT_SAMPLE_RATE = 16000  # the WAVs of --speech-input-s
+INPUT_SAMPLE_RATE = 16000  # the WAVs of --speech-input-s (vocoder.speech_encoder's; not imported: no torch here)
 REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
 # Prompt variants of this process's requests, from a random start: two client processes against one
 # server (e.g. a closed loop, then listeners) must not send the same texts, or the second one's prompts
@@ -73,6 +73,8 @@ class WavFormatError(ValueError):
 
 class AudioStream:
     """Turns response bytes into PCM16 sample counts: strips and checks a WAV header, keeps odd bytes."""
+
+    error: str | None = None  # raw audio has no error events (ChatAudioStream's has)
 
     def __init__(self, response_format: str) -> None:
         self._in_header = response_format == "wav"
@@ -263,7 +265,7 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
             else:
                 async for data in response.aiter_raw():
                     timeline.add(time.perf_counter(), audio.feed(data))
-                result.error = getattr(audio, "error", None)  # a chat's error event after its 200
+                result.error = audio.error  # a chat's error event after its 200
         timeline.finish(time.perf_counter())
         if result.status == 200 and load.server_summary and result.request_id:
             await _add_server_summary(client, load, result, sent_at)

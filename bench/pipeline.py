@@ -84,13 +84,13 @@ class Pipeline:
     async def encode(self, question: SpeechQuestion) -> Any:
         """The GenerationRequest of a speech question: its clip encoded on the side thread (`VocoderBatcher.run`, as
         `VocoderServer` does), the codes one user turn of audio, audio output."""
+        from runtime.prompts import AudioContent
+
         if self.speech_encoder is None:
             raise ValueError("this pipeline has no speech encoder")
         t0 = time.perf_counter()
         codes = await self.batcher.run(self.speech_encoder.encode, question.clip)
         self.steps.append(("encode", 1, time.perf_counter() - t0))
-        from runtime.prompts import AudioContent
-
         return question_request(self.engine.tokenizer, question.request_id, AudioContent(tuple(codes)),
                                 **question.options)
 
@@ -156,18 +156,16 @@ class SpeechQuestion:
     options: dict[str, Any]
 
 
-def question_request(tokenizer: Any, request_id: str, content: Any, *, max_new_tokens: int, min_new_tokens: int,
-                     seed: int | None, temperature: float | None) -> Any:
-    """A GenerationRequest whose prompt is one user turn, `content` text or AudioContent (speech input), with
-    audio output."""
+def question_rows(tokenizer: Any, content: Any) -> list[Any]:
+    """Prompt rows of one user turn, `content` text or AudioContent (speech input), with audio output."""
     from runtime.prompts import ChatMessage, build_prompt_rows
-    from runtime.request import GenerationRequest
-    from runtime.sampling import SamplingParams
 
-    rows = build_prompt_rows(tokenizer, [ChatMessage("user", content)], output_modality="audio")
-    audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
-    return GenerationRequest(request_id=request_id, prompt_rows=tuple(rows), audio_sampling=audio,
-                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, seed=seed)
+    return build_prompt_rows(tokenizer, [ChatMessage("user", content)], output_modality="audio")
+
+
+def question_request(tokenizer: Any, request_id: str, content: Any, **options: Any) -> Any:
+    """A GenerationRequest of one user turn (`question_rows`); `options` as `generation_request`'s."""
+    return generation_request(question_rows(tokenizer, content), request_id, **options)
 
 
 def text_question(num_codes: int, variant: int) -> str:
@@ -178,29 +176,30 @@ def text_question(num_codes: int, variant: int) -> str:
     from runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.tiny()
-    rows = len(question_request(tokenizer, "", AudioContent((0,) * num_codes), **_ROWS_ONLY).prompt_rows)
-    fixed = len(question_request(tokenizer, "", "", **_ROWS_ONLY).prompt_rows)
+    chars = len(question_rows(tokenizer, AudioContent((0,) * num_codes))) - len(question_rows(tokenizer, ""))
     head = f"{variant % 10**7:07d}"[::-1] + " "
-    if rows - fixed < len(head):
+    if chars < len(head):
         raise ValueError(f"a speech question of {num_codes} codes is too short for a text baseline")
-    text = (head + FILLER * ((rows - fixed) // len(FILLER) + 1))[: rows - fixed]
-    assert len(question_request(tokenizer, "", text, **_ROWS_ONLY).prompt_rows) == rows
+    text = (head + FILLER * (chars // len(FILLER) + 1))[:chars]
+    assert len(question_rows(tokenizer, text)) == chars + len(question_rows(tokenizer, ""))
     return text
 
 
-_ROWS_ONLY = {"max_new_tokens": 1, "min_new_tokens": 0, "seed": None, "temperature": None}
-
-
-def speech_request(tokenizer: Any, text: str, *, max_new_tokens: int, min_new_tokens: int, seed: int | None,
-                   temperature: float | None) -> Any:
-    """A GenerationRequest with the ingress's read-aloud prompt (audio sampling at `temperature`)."""
+def speech_request(tokenizer: Any, text: str, **options: Any) -> Any:
+    """A GenerationRequest with the ingress's read-aloud prompt; `options` as `generation_request`'s."""
     from runtime.prompts import read_aloud_rows
+
+    return generation_request(read_aloud_rows(tokenizer, text), f"bench-{next(_ids)}", **options)
+
+
+def generation_request(rows: list[Any], request_id: str, *, max_new_tokens: int, min_new_tokens: int,
+                       seed: int | None, temperature: float | None) -> Any:
+    """A GenerationRequest of prompt `rows` (audio sampling at `temperature`, its default when None)."""
     from runtime.request import GenerationRequest
     from runtime.sampling import SamplingParams
 
-    rows = read_aloud_rows(tokenizer, text)
     audio = SamplingParams() if temperature is None else SamplingParams(temperature=temperature)
-    return GenerationRequest(request_id=f"bench-{next(_ids)}", prompt_rows=tuple(rows), audio_sampling=audio,
+    return GenerationRequest(request_id=request_id, prompt_rows=tuple(rows), audio_sampling=audio,
                              max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, seed=seed)
 
 

@@ -159,6 +159,7 @@ class VocoderBatcher:
                                if fast_lane_code_budget is not None else None)
         # `run`'s thread (the speech encoder): its work never waits for a vocoder step to end
         self._side_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocoder-side")
+        self._executors = {0: self._executor, 1: self._fast_executor, SIDE: self._side_executor}  # by lane
         self._streams: list[BatchedStream] = []
         self._discard: list[Any] = []  # sessions of aborted streams, closed by the loop
         self._in_flight: set[BatchedStream] = set()  # streams in a step now (on either lane)
@@ -186,7 +187,7 @@ class VocoderBatcher:
             self._fast_task = loop.create_task(self._run(self._fast_round, self._fast_wake), name="vocoder-fast")
 
     async def _call(self, fn: Callable[..., Any], *args: Any, lane: int = 0) -> Any:
-        executor = {0: self._executor, 1: self._fast_executor, SIDE: self._side_executor}[lane]
+        executor = self._executors[lane]
 
         def timed() -> Any:
             self._busy_since[lane] = time.monotonic()
@@ -525,6 +526,6 @@ class VocoderBatcher:
         for task in (self._task, self._fast_task):
             if task is not None:
                 task.cancel()
-        for executor in (self._executor, self._fast_executor, self._side_executor):
+        for executor in self._executors.values():
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)

@@ -28,7 +28,6 @@ MOSS-Speech codec's encoder checkpoint uses these names is not known here (its w
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -251,7 +250,7 @@ class SpeechEncoder(nn.Module):
         if self.config.num_codes(audio.numel()) < 1:
             raise ValueError(f"audio of {audio.numel()} samples is too short for one code "
                              f"(at least {MEL_HOP} samples at 16 kHz)")
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(self.stream):  # (None: a no-op, the caller's current stream)
             audio = audio.to(self.device)
             step = self.config.segment_samples
             codes: list[int] = []
