@@ -52,7 +52,7 @@ def build_core(args: argparse.Namespace) -> tuple[EngineCore, dict[str, Any]]:
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     if args.fast_path is not None:
         kwargs["fast_path"] = args.fast_path
-    for check in ("check_matmuls", "check_largest_step"):
+    for check in ("check_matmuls", "check_largest_step", "warm_step_shapes"):
         if getattr(args, check) is not None:
             kwargs[check] = getattr(args, check)
     if kwargs["model"] == "full" and not args.random_weights:
@@ -288,6 +288,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the engine's start-up check of its matrix products (default: on CUDA)")
     p.add_argument("--check-largest-step", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's start-up run of its largest step (default: on CUDA)")
+    p.add_argument("--warm-step-shapes", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's start-up eager steps of runtime.engine.step_shapes (default: on CUDA, fast path)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,6 +4,7 @@ GPU only to be quantized) against the whole bf16 model on the GPU first, in one 
     python bench/fp8_load_peak.py --save /tmp/ckpt-full          # once: the full shape, random bf16 weights
     python bench/fp8_load_peak.py --load /tmp/ckpt-full --staged 1 --out staged.json
     python bench/fp8_load_peak.py --load /tmp/ckpt-full --staged 0 --out resident.json
+    python bench/fp8_load_peak.py --load full --staged 1 --out preset.json   # the `full` preset, random weights
 
 Each --load runs in its own process and builds an EngineCore (fast path, `fp8_scope`, 1 GiB of KV cache, no
 start-up product check), then prints one JSON line: torch's peak allocation and reservation during the

@@ -104,6 +104,11 @@ class EngineConfig:
     # the memory cap, or the engine fails to start with EngineMemoryError naming the settings, instead of a
     # burst of prompts failing every in-flight request mid-serving. None: on CUDA only.
     check_largest_step: bool | None = None
+    # Run eager steps of a fixed set of shapes once before serving (`warm_step_shapes`): Triton compiles a
+    # kernel again for each new specialisation of its integer arguments (1, a multiple of 16, any other), so
+    # the first mixed step of a new kind under traffic would otherwise stall every stream for the compile.
+    # None: on CUDA with the fast path only.
+    warm_step_shapes: bool | None = None
     # Fast path on CUDA: row buckets of the one-sequence prefill graphs (None: runtime.cuda_graph's
     # DEFAULT_PREFILL_BUCKETS). A chunk runs padded to the smallest bucket that holds it; longer ones run eagerly.
     prefill_buckets: tuple[int, ...] | None = None
@@ -289,6 +294,50 @@ def run_largest_step(runner: ModelRunner, config: EngineConfig) -> LargestStep |
     return LargestStep(rows, seqs, free)
 
 
+def step_shapes(config: EngineConfig, max_graph_batch: int | None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The eager step shapes `warm_step_shapes` runs, as (query lengths, context lengths), within the settings.
+
+    Eager steps (the ones off the CUDA graphs: several sequences with a prompt row among them, or more decode
+    rows than the largest graph) have any number of rows M and sequences S. Their Triton kernels are
+    compiled once per specialisation of such integers (equal to 1, a multiple of 16, anything else) and, for
+    FP8 weights, per product path (2-4, 5-16, 17-32, 33-64 and more rows: runtime/fp8.py). These shapes give
+    every path both specialisations of M that a step can have, S of 2-32, and prompt rows with and without
+    cached context (decode rows have 16 tokens of context): a newcomer's prompt beside running streams
+    (1 + 23, 1 + 63, 3 + 197 rows), a burst of spoken questions behind a cached prefix (8 x 5 rows after 80)."""
+    d = 16  # context of a decode row
+    shapes = [
+        ((1, 2), (d, 0)),  # M 3
+        ((1, 1, 4), (d, d, 0)),  # M 6
+        ((1,) * 14 + (2,), (d,) * 14 + (0,)),  # M 16
+        ((1, 23), (d, 0)),  # M 24
+        ((1,) * 15 + (17,), (d,) * 15 + (0,)),  # M 32, S 16
+        ((5,) * 8, (80,) * 8),  # M 40
+        ((1, 63), (d, 40)),  # M 64
+        ((1,) * 31 + (33,), (d,) * 31 + (0,)),  # M 64, S 32
+        ((1, 1, 1, 197), (d, d, d, 100)),  # M 200
+        ((1,) * 15 + (241,), (d,) * 15 + (0,)),  # M 256, S 16
+    ]
+    if max_graph_batch is not None:  # decode steps of more rows than the largest graph (M odd, M a multiple of 16)
+        for rows in (max_graph_batch + 1, -(-(max_graph_batch + 1) // 16) * 16):
+            shapes.append(((1,) * rows, (d,) * rows))
+    return [(q, c) for q, c in shapes
+            if len(q) <= config.max_num_running and sum(q) <= config.max_num_batched_tokens
+            and max(a + b for a, b in zip(q, c, strict=True)) <= config.max_model_len]
+
+
+def warm_step_shapes(runner: ModelRunner, config: EngineConfig) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    """Run each of `step_shapes` once (`ModelRunner.run_step_shape`) -> (query lens, context lens, path)."""
+    started = time.perf_counter()
+    ran = []
+    graphs = runner.graphs
+    for query_lens, context_lens in step_shapes(config, None if graphs is None else graphs.max_batch):
+        ran.append((query_lens, context_lens, runner.run_step_shape(query_lens, context_lens)))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    logger.info("%d eager step shapes warmed in %.2f s", len(ran), time.perf_counter() - started)
+    return ran
+
+
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     """KV pool size from `kv_cache_bytes`, else a fraction of free device memory (a fixed budget on CPU)."""
     device = torch.device(config.device)
@@ -320,18 +369,20 @@ def _model_matrices(model: MossSpeechForCausalLM, weights: FusedWeights | None) 
 
 def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
     """A preset with random weights (deterministic in `weights_seed`, byte-level tokenizer) or a checkpoint;
-    `memory_cap_bytes` is set first."""
+    `memory_cap_bytes` is set first.
+
+    FP8 on a GPU: the bf16 model (a checkpoint, or a preset's weights drawn on the GPU) waits in host memory
+    and each matrix goes to the device only to be quantized (EngineCore), so the device never holds the
+    whole bf16 model and the load peaks near the serving footprint."""
     cap_device_memory(config.device, config.memory_cap_bytes)
     if config.model in _PRESETS:
         model = build_model(
             ModelConfig.preset(config.model), seed=config.weights_seed, device=config.device,
-            dtype=config.torch_dtype, debug_checks=config.debug_checks,
+            dtype=config.torch_dtype, debug_checks=config.debug_checks, on_host=_stages_fp8(config),
         )
         return model, Tokenizer.tiny()
     from runtime.weights import load_pretrained
 
-    # FP8 on a GPU: the checkpoint stays in host memory and each matrix goes to the device only to be
-    # quantized (EngineCore), so the device never holds the whole bf16 model
     where = "cpu" if _stages_fp8(config) else config.device
     return load_pretrained(config.model, device=where, dtype=config.torch_dtype, debug_checks=config.debug_checks)
 
@@ -386,6 +437,9 @@ class EngineCore:
         self.largest_step: LargestStep | None = None  # the start-up run of the largest step (None: not run)
         if config.check_largest_step or (config.check_largest_step is None and device.type == "cuda"):
             self.largest_step = run_largest_step(self.runner, config)
+        self.warmed_shapes: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []  # (query, context lens, path)
+        if config.warm_step_shapes or (config.warm_step_shapes is None and device.type == "cuda" and config.fast_path):
+            self.warmed_shapes = warm_step_shapes(self.runner, config)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)  # the latest steps, oldest first

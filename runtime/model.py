@@ -199,11 +199,13 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     debug_checks: bool = False,
+    on_host: bool = False,
 ) -> MossSpeechForCausalLM:
     """Random weights, deterministic for (seed, device type, dtype): normal(0, 0.02) matrices, norms = 1.
 
     Each parameter is created directly on `device` in `dtype`, so the full model never exists in
-    float32 on the host.
+    float32 on the host. `on_host`: each parameter is drawn on `device` (the same numbers) and then moved to
+    host memory, so the device holds one parameter at a time (FP8 staging quantizes them onto it later).
     """
     model = build_meta_model(config, debug_checks=debug_checks)
     device = torch.device(device)
@@ -215,5 +217,5 @@ def build_model(
         else:
             tensor = torch.empty(param.shape, device=device, dtype=dtype)
             tensor.normal_(0.0, INIT_STD, generator=generator)
-        set_parameter(model, name, tensor)
+        set_parameter(model, name, tensor.cpu() if on_host else tensor)
     return model.eval()

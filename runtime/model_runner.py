@@ -217,36 +217,54 @@ class ModelRunner:
         """Run the largest step the scheduler can form off the graphs: `num_rows` new rows over `num_seqs`
         fresh sequences (rows spread evenly, at least 2 each, so none is a decode row), every sequence
         sampling both channels; twice, the first step's logits and sampling alive during the second forward,
-        as an asynchronous step leaves them. Its K/V go to blocks 0, 1, ... (reused modulo the pool): call
-        it before any sequence holds a block. The paths' step counts are left as they were. Used by the
-        engine at start-up (`EngineCore`), so that this step's activations either fit under the memory cap and
-        stay reserved in the allocator, or fail there instead of in the middle of serving."""
+        as an asynchronous step leaves them (`run_step_shape`). Used by the engine at start-up (`EngineCore`),
+        so that this step's activations either fit under the memory cap and stay reserved in the allocator,
+        or fail there instead of in the middle of serving."""
         if not 2 <= 2 * num_seqs <= num_rows:
             raise ValueError(f"need 2 <= 2 x num_seqs <= num_rows, got {num_seqs} sequences of {num_rows} rows")
+        self.run_step_shape([num_rows // num_seqs + (i < num_rows % num_seqs) for i in range(num_seqs)],
+                            twice=True)
+
+    def run_step_shape(self, query_lens: Sequence[int], context_lens: Sequence[int] | None = None, *,
+                       twice: bool = False) -> str:
+        """Run one step of this shape and sample it, with nothing of any request in it: sequence i has
+        `context_lens[i]` tokens already in the cache (whatever its blocks hold) and `query_lens[i]` new rows;
+        `twice`: a second forward while the first's logits and sampling are alive. Returns the path it took.
+        Its K/V go to blocks 0, 1, ... (reused modulo the pool): call it before any sequence holds a block.
+        The paths' step counts are left as they were."""
+        context_lens = [0] * len(query_lens) if context_lens is None else list(context_lens)
+        if len(context_lens) != len(query_lens) or min(query_lens, default=0) < 1 or min(context_lens) < 0:
+            raise ValueError(f"need one context length >= 0 per query length >= 1, got {query_lens} and "
+                             f"{context_lens}")
         block_size, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
-        query_lens = [num_rows // num_seqs + (i < num_rows % num_seqs) for i in range(num_seqs)]
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
         tables, next_block = [], 0
-        for n in query_lens:
+        for n in seq_lens:
             width = -(-n // block_size)
             tables.append([(next_block + j) % num_blocks for j in range(width)])
             next_block += width
-        attn = AttentionMetadata.build(query_lens, query_lens, tables, block_size, self.device,
+        attn = AttentionMetadata.build(list(query_lens), seq_lens, tables, block_size, self.device,
                                        plain_tensors=self.fast is None)
+        num_seqs, num_rows = len(query_lens), sum(query_lens)
         samplers = [RequestSampler([], *DEFAULT_CHANNELS, min_new_tokens=0, seed=i) for i in range(num_seqs)]
         inp = ModelInput(
             tokens=torch.zeros(num_rows, dtype=torch.long, device=self.device),
             is_audio=torch.zeros(num_rows, dtype=torch.bool, device=self.device),
             positions=attn.positions(self.device), attn=attn,
             sample_indices=torch.arange(num_seqs, device=self.device),
-            sample_request_ids=[f"largest-step-{i}" for i in range(num_seqs)], samplers=samplers)
+            sample_request_ids=[f"shape-step-{i}" for i in range(num_seqs)], samplers=samplers)
         counts, last_path = self.num_steps_by_path.copy(), self.last_path
         try:
             first = self.launch_sample(inp, self.forward(inp))
-            second = self.forward(inp)
+            path = self.last_path
+            if twice:
+                second = self.forward(inp)
             first.complete()
-            del second
+            if twice:
+                del second
         finally:
             self.num_steps_by_path, self.last_path = counts, last_path
+        return path
 
     def _took(self, path: str) -> None:
         self.num_steps_by_path[path] += 1

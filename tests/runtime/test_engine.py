@@ -243,6 +243,31 @@ def test_the_start_up_largest_step_runs_and_changes_no_row(fast_path: bool) -> N
     assert off.largest_step is None  # on CPU the default does not run it
 
 
+def test_warmed_step_shapes_run_off_the_graphs_within_the_settings_and_change_no_row() -> None:
+    """warm_step_shapes: every shape fits the settings (here 40 sequences, 512 rows, 4096-token model length,
+    decode graphs up to 32 rows: max_num_running) and takes the eager fast path, which is what it warms; the
+    rows of later requests are those of the plain model, and no block or step count is left behind."""
+    plain = build_model(CONFIG, seed=0)
+    rng = random.Random(23)
+    requests = [GenerationRequest(f"w{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY,
+                                  max_new_tokens=4) for i in range(3)]
+    core = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(),
+                      engine_config(num_blocks=64, fast_path=True, max_num_running=32, max_num_batched_tokens=512,
+                                    max_model_len=4096, warm_step_shapes=True))
+    shapes = [(sum(q), len(q), path) for q, _, path in core.warmed_shapes]
+    assert shapes == [(3, 2, "fast"), (6, 3, "fast"), (16, 15, "fast"), (24, 2, "fast"), (32, 16, "fast"),
+                      (40, 8, "fast"), (64, 2, "fast"), (64, 32, "fast"), (200, 4, "fast"), (256, 16, "fast")]
+    assert core.stats().num_blocks_used == 0 and not core.runner.num_steps_by_path
+    seqs, _ = run_core(core, {0: requests})
+    for request in requests:
+        assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
+    # 8 sequences, 64 rows, graphs up to 4 rows: decode steps of 5 rows run eagerly (16 rows exceed 8 sequences)
+    small = engine_module.step_shapes(engine_config(max_num_running=8, max_num_batched_tokens=64), 4)
+    assert [(sum(q), len(q)) for q, _ in small] == [(3, 2), (6, 3), (24, 2), (40, 8), (64, 2), (5, 5)]
+    assert small[-1] == ((1,) * 5, (16,) * 5) and small[3] == ((5,) * 8, (80,) * 8)
+    assert EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), engine_config()).warmed_shapes == []  # CPU
+
+
 def test_a_largest_step_out_of_memory_stops_the_engine_naming_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     def out_of_memory(self: object, num_rows: int, num_seqs: int) -> None:
         assert (num_rows, num_seqs) == (64, 24)  # max_num_batched_tokens; min(max_num_running, 64 // 2)

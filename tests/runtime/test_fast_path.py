@@ -333,6 +333,31 @@ def test_engine_stages_fp8_checkpoints_on_gpus_only() -> None:
     assert not _stages_fp8(EngineConfig(device="cpu", fast_path=True, fp8_scope="all"))
 
 
+@pytest.mark.parametrize(("fp8_scope", "on_host"), [("all", True), (None, False)])
+def test_engine_stages_fp8_presets_through_host_memory(monkeypatch: pytest.MonkeyPatch, fp8_scope: str | None,
+                                                       on_host: bool) -> None:
+    """A preset with FP8 on a GPU is drawn on the GPU but kept on the host, as a checkpoint is, so that the
+    engine quantizes it onto the device one matrix at a time; bf16 presets stay where they are drawn."""
+    from runtime import engine as engine_mod
+
+    calls = []
+    monkeypatch.setattr(engine_mod, "cap_device_memory", lambda device, cap: calls.append(("cap", device, cap)))
+    monkeypatch.setattr(engine_mod, "build_model", lambda cfg, **kw: calls.append(("build", kw)) or "model")
+    config = engine_mod.EngineConfig(model="tiny", device="cuda", fast_path=True, fp8_scope=fp8_scope,
+                                     memory_cap_bytes=2**30)
+    model, _ = engine_mod.load_model(config)
+    assert model == "model"
+    assert calls == [("cap", "cuda", 2**30),
+                     ("build", {"seed": config.weights_seed, "device": "cuda", "dtype": config.torch_dtype,
+                                "debug_checks": config.debug_checks, "on_host": on_host})]
+
+
+def test_build_model_on_host_draws_the_same_numbers() -> None:
+    plain, hosted = build_model(CONFIG, seed=5), build_model(CONFIG, seed=5, on_host=True)
+    for (name, a), (_, b) in zip(plain.named_parameters(), hosted.named_parameters(), strict=True):
+        assert b.device.type == "cpu" and torch.equal(a, b), name
+
+
 def test_engine_fp8_option() -> None:
     from runtime.engine import EngineConfig, EngineCore
     from runtime.request import GenerationRequest
