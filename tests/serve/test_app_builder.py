@@ -45,13 +45,15 @@ def test_gpu_config_is_refused_on_a_gpu_less_cluster(name: str) -> None:
     check_gpus(args, gpus_available=1.0)  # one card holds 0.8 + 0.2
 
 
-@pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib", "eager_rows"), [
-    ("serve-4090.yaml", None, 512, (19.75, 2.25), [4, 8]), ("serve-4090-fp8.yaml", "all", 1024, (18.0, 3.75), [])])
+@pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib", "eager_rows", "speech_encoder"), [
+    ("serve-4090.yaml", None, 512, (19.75, 2.25), [4, 8], "none"),
+    ("serve-4090-fp8.yaml", "all", 1024, (15.0, 5.0), [], "full")])
 def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
         name: str, fp8_scope: str | None, step_tokens: int, caps_gib: tuple[float, float],
-        eager_rows: list[int]) -> None:
-    # measured under these caps on an H200: bench/results/serve-4090-on-h200/ and (the bf16 config's 512
-    # tokens per step, after 1024 ran out of memory in a burst) bench/results/serve-4090-kv8/
+        eager_rows: list[int], speech_encoder: str) -> None:
+    # measured under these caps on an H200: bench/results/serve-4090-on-h200/, (the bf16 config's 512
+    # tokens per step, after 1024 ran out of memory in a burst) bench/results/serve-4090-kv8/ and (the FP8
+    # config's caps with the speech encoder on the vocoder replica) bench/results/serve-4090-fp8-speech/
     from runtime.engine import EngineConfig
 
     args = AppArgs.model_validate(yaml_args(name))
@@ -61,6 +63,7 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
     assert (engine.memory_cap_bytes / 2**30, args.vocoder_memory_cap_bytes / 2**30) == caps_gib
     assert args.vocoder_cuda_graphs and args.vocoder_bucket_shapes and not args.vocoder_graphs_after_warmup
     assert args.vocoder_eager_warmup_rows == eager_rows
+    assert args.speech_encoder == speech_encoder  # the bf16 config has no room for the encoder
 
 
 def test_the_vocoder_call_timeout_and_retry_after_reach_the_vocoder_replica() -> None:
