@@ -266,6 +266,9 @@ def test_warmed_step_shapes_run_off_the_graphs_within_the_settings_and_change_no
     assert [(sum(q), len(q)) for q, _ in small] == [(3, 2), (6, 3), (24, 2), (40, 8), (64, 2), (5, 5)]
     assert small[-1] == ((1,) * 5, (16,) * 5) and small[3] == ((5,) * 8, (80,) * 8)
     assert EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), engine_config()).warmed_shapes == []  # CPU
+    for query_lens, context_lens in (((2, 0), None), ((2, 3), (4,)), ((2, 3), (0, -1))):
+        with pytest.raises(ValueError, match="one context length >= 0 per query length >= 1"):
+            core.runner.run_step_shape(query_lens, context_lens)
 
 
 def test_a_largest_step_out_of_memory_stops_the_engine_naming_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
