@@ -318,7 +318,7 @@ def step_shapes(config: EngineConfig, max_graph_batch: int | None) -> list[tuple
         ((1,) * 15 + (241,), (d,) * 15 + (0,)),  # M 256, S 16
     ]
     if max_graph_batch is not None:  # decode steps of more rows than the largest graph (M odd, M a multiple of 16)
-        for rows in (max_graph_batch + 1, -(-(max_graph_batch + 1) // 16) * 16):
+        for rows in sorted({max_graph_batch + 1, -(-(max_graph_batch + 1) // 16) * 16}):
             shapes.append(((1,) * rows, (d,) * rows))
     return [(q, c) for q, c in shapes
             if len(q) <= config.max_num_running and sum(q) <= config.max_num_batched_tokens
@@ -326,12 +326,20 @@ def step_shapes(config: EngineConfig, max_graph_batch: int | None) -> list[tuple
 
 
 def warm_step_shapes(runner: ModelRunner, config: EngineConfig) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
-    """Run each of `step_shapes` once (`ModelRunner.run_step_shape`) -> (query lens, context lens, path)."""
+    """Run each of `step_shapes` once (`ModelRunner.run_step_shape`) -> (query lens, context lens, path).
+    Out of device memory -> EngineMemoryError with the remedies."""
     started = time.perf_counter()
     ran = []
     graphs = runner.graphs
     for query_lens, context_lens in step_shapes(config, None if graphs is None else graphs.max_batch):
-        ran.append((query_lens, context_lens, runner.run_step_shape(query_lens, context_lens)))
+        try:
+            ran.append((query_lens, context_lens, runner.run_step_shape(query_lens, context_lens)))
+        except torch.OutOfMemoryError as exc:
+            raise EngineMemoryError(
+                f"the start-up step of {sum(query_lens)} rows over {len(query_lens)} sequences (warm_step_shapes) "
+                f"does not fit in device memory next to the weights, KV cache and CUDA graphs: lower "
+                f"max_num_batched_tokens or kv_cache_bytes, raise memory_cap_bytes, or set warm_step_shapes "
+                f"false ({exc})") from None
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("%d eager step shapes warmed in %.2f s", len(ran), time.perf_counter() - started)

@@ -243,32 +243,65 @@ def test_the_start_up_largest_step_runs_and_changes_no_row(fast_path: bool) -> N
     assert off.largest_step is None  # on CPU the default does not run it
 
 
-def test_warmed_step_shapes_run_off_the_graphs_within_the_settings_and_change_no_row() -> None:
-    """warm_step_shapes: every shape fits the settings (here 40 sequences, 512 rows, 4096-token model length,
-    decode graphs up to 32 rows: max_num_running) and takes the eager fast path, which is what it warms; the
-    rows of later requests are those of the plain model, and no block or step count is left behind."""
+def test_warmed_step_shapes_run_off_the_graphs_within_the_settings_and_change_no_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """warm_step_shapes: every shape fits the settings (here 32 sequences, 512 rows, 4096-token model length,
+    decode graphs up to 32 rows: max_num_running) and takes the eager fast path, which is what it warms, with
+    each sequence's context in front of its new rows; the rows of later requests are those of the plain model,
+    and no step count is left behind."""
     plain = build_model(CONFIG, seed=0)
     rng = random.Random(23)
     requests = [GenerationRequest(f"w{i}", prompt(rng, 4 + 5 * i, audio_out=i != 1), GREEDY, GREEDY,
                                   max_new_tokens=4) for i in range(3)]
+    seen = []  # (query lens, seq lens, positions, block table widths) of every forward
+    forward = engine_module.ModelRunner.forward
+
+    def recording(self: engine_module.ModelRunner, inp: engine_module.ModelInput, *args: object) -> object:
+        attn = inp.attn
+        seen.append((list(attn.query_lens), list(attn.seq_lens), inp.positions.tolist(),
+                     [len(t) for t in attn.block_tables]))
+        return forward(self, inp, *args)
+
+    monkeypatch.setattr(engine_module.ModelRunner, "forward", recording)
     core = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(),
                       engine_config(num_blocks=64, fast_path=True, max_num_running=32, max_num_batched_tokens=512,
                                     max_model_len=4096, warm_step_shapes=True))
     shapes = [(sum(q), len(q), path) for q, _, path in core.warmed_shapes]
     assert shapes == [(3, 2, "fast"), (6, 3, "fast"), (16, 15, "fast"), (24, 2, "fast"), (32, 16, "fast"),
                       (40, 8, "fast"), (64, 2, "fast"), (64, 32, "fast"), (200, 4, "fast"), (256, 16, "fast")]
-    assert core.stats().num_blocks_used == 0 and not core.runner.num_steps_by_path
+    assert len(seen) == len(shapes)  # one forward each (check_largest_step is off on CPU)
+    # M 40: 8 sequences of 5 new rows after 80 cached tokens (block size 4: 85 tokens take 22 blocks)
+    assert seen[5] == ([5] * 8, [85] * 8, [80, 81, 82, 83, 84] * 8, [22] * 8)
+    # M 200: three decode rows after 16 tokens, then 197 new rows after 100
+    assert seen[8] == ([1, 1, 1, 197], [17, 17, 17, 297], [16, 16, 16, *range(100, 297)], [5, 5, 5, 75])
+    assert not core.runner.num_steps_by_path
     seqs, _ = run_core(core, {0: requests})
     for request in requests:
         assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
-    # 8 sequences, 64 rows, graphs up to 4 rows: decode steps of 5 rows run eagerly (16 rows exceed 8 sequences)
-    small = engine_module.step_shapes(engine_config(max_num_running=8, max_num_batched_tokens=64), 4)
-    assert [(sum(q), len(q)) for q, _ in small] == [(3, 2), (6, 3), (24, 2), (40, 8), (64, 2), (5, 5)]
+    # 8 sequences, 64 rows, model length 100, graphs up to 4 rows: decode steps of 5 rows run eagerly (16
+    # exceed 8 sequences); 1 + 63 rows after 40 tokens of context exceed the model length
+    small = engine_module.step_shapes(engine_config(max_num_running=8, max_num_batched_tokens=64,
+                                                    max_model_len=100), 4)
+    assert [(sum(q), len(q)) for q, _ in small] == [(3, 2), (6, 3), (24, 2), (40, 8), (5, 5)]
     assert small[-1] == ((1,) * 5, (16,) * 5) and small[3] == ((5,) * 8, (80,) * 8)
+    # graphs up to 15 rows: 16 decode rows are both the first above them and a multiple of 16, warmed once
+    above = [q for q, _ in engine_module.step_shapes(engine_config(max_num_running=40), 15) if set(q) == {1}]
+    assert above == [(1,) * 16]
     assert EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), engine_config()).warmed_shapes == []  # CPU
     for query_lens, context_lens in (((2, 0), None), ((2, 3), (4,)), ((2, 3), (0, -1))):
         with pytest.raises(ValueError, match="one context length >= 0 per query length >= 1"):
             core.runner.run_step_shape(query_lens, context_lens)
+
+
+def test_a_warm_up_step_out_of_memory_stops_the_engine_naming_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    def out_of_memory(self: object, query_lens: tuple[int, ...], context_lens: tuple[int, ...]) -> str:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+
+    monkeypatch.setattr(engine_module.ModelRunner, "run_step_shape", out_of_memory)
+    config = engine_config(fast_path=True, warm_step_shapes=True)
+    with pytest.raises(engine_module.EngineMemoryError, match=r"start-up step of 3 rows over 2 sequences "
+                       r"\(warm_step_shapes\) does not fit .* or set warm_step_shapes false \(CUDA out of memory"):
+        EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), config)
 
 
 def test_a_largest_step_out_of_memory_stops_the_engine_naming_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
