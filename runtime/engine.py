@@ -269,6 +269,12 @@ class LargestStep:
     free_reserved_bytes: int | None
 
 
+def _step_memory_error(step: str, remedies: str, exc: BaseException) -> EngineMemoryError:
+    """A start-up step out of device memory, with what to change: `remedies` after the step budget's."""
+    return EngineMemoryError(f"{step} does not fit in device memory next to the weights, KV cache and CUDA graphs: "
+                             f"lower max_num_batched_tokens or kv_cache_bytes, {remedies} ({exc})")
+
+
 def run_largest_step(runner: ModelRunner, config: EngineConfig) -> LargestStep | None:
     """`ModelRunner.run_largest_step` for these settings -> what ran (None: a budget under 2 rows has no
     multi-sequence step). Out of device memory -> EngineMemoryError with the remedies."""
@@ -282,10 +288,9 @@ def run_largest_step(runner: ModelRunner, config: EngineConfig) -> LargestStep |
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as exc:
-        raise EngineMemoryError(
-            f"the largest step these settings allow ({rows} rows, max_num_batched_tokens, over {seqs} sequences) "
-            f"does not fit in device memory next to the weights, KV cache and CUDA graphs: lower "
-            f"max_num_batched_tokens or kv_cache_bytes, or raise memory_cap_bytes ({exc})") from None
+        raise _step_memory_error(
+            f"the largest step these settings allow ({rows} rows, max_num_batched_tokens, over {seqs} sequences)",
+            "or raise memory_cap_bytes", exc) from None
     free = None
     if device.type == "cuda":
         free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -335,11 +340,9 @@ def warm_step_shapes(runner: ModelRunner, config: EngineConfig) -> list[tuple[tu
         try:
             ran.append((query_lens, context_lens, runner.run_step_shape(query_lens, context_lens)))
         except torch.OutOfMemoryError as exc:
-            raise EngineMemoryError(
-                f"the start-up step of {sum(query_lens)} rows over {len(query_lens)} sequences (warm_step_shapes) "
-                f"does not fit in device memory next to the weights, KV cache and CUDA graphs: lower "
-                f"max_num_batched_tokens or kv_cache_bytes, raise memory_cap_bytes, or set warm_step_shapes "
-                f"false ({exc})") from None
+            raise _step_memory_error(
+                f"the start-up step of {sum(query_lens)} rows over {len(query_lens)} sequences (warm_step_shapes)",
+                "raise memory_cap_bytes, or set warm_step_shapes false", exc) from None
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("%d eager step shapes warmed in %.2f s", len(ran), time.perf_counter() - started)

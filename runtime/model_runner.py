@@ -257,11 +257,9 @@ class ModelRunner:
         try:
             first = self.launch_sample(inp, self.forward(inp))
             path = self.last_path
-            if twice:
-                second = self.forward(inp)
+            second = self.forward(inp) if twice else None  # alive while the first step's sampling completes
             first.complete()
-            if twice:
-                del second
+            del second
         finally:
             self.num_steps_by_path, self.last_path = counts, last_path
         return path
