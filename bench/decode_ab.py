@@ -56,13 +56,16 @@ BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two"
 # (attn_launch=BN:W:S, the decode kernel's key tile, warps and stages wherever keys are not split),
 # runtime.fp8.OPTIONS["act_quant"] (fp8_act_quant=triton / torch: how FP8 products of > 16 rows quantize x)
 # and OPTIONS["weight_only"] (fp8_weight_only=table / off: the weight-only kernel for the 17-64-row products
-# its table names, or `torch._scaled_mm` for all)
+# its table names, or `torch._scaled_mm` for all), runtime.kernels.gemv.OPTIONS["l2_slice"] (gemv_l2_slice=N:
+# the one-row GEMV asks L2 for the first N bytes of each program's weights before its PDL wait; -1 all, 0 none)
+# and paged_attention.OPTIONS["l2_kv"] (attn_l2=1 / 0: split-key attention asks L2 for its first key's rows)
 KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
                   "attn_launch": (attn_mod.OPTIONS, "launch"), "fp8_act_quant": (fp8_mod.OPTIONS, "act_quant"),
-                  "fp8_weight_only": (fp8_mod.OPTIONS, "weight_only")}
+                  "fp8_weight_only": (fp8_mod.OPTIONS, "weight_only"), "gemv_l2_slice": (gemv_mod.OPTIONS, "l2_slice"),
+                  "attn_l2": (attn_mod.OPTIONS, "l2_kv")}
 
 
 def skipping_ops(names: list[str]) -> TritonOps:
@@ -91,7 +94,7 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
             options[key] = None
         elif key == "attn_launch":
             options[key] = tuple(int(v) for v in value.split(":"))
-        elif key in INT_OPTIONS or (key == "gemv_fold" and value.isdigit()):
+        elif key in INT_OPTIONS or key in ("gemv_l2_slice", "attn_l2") or (key == "gemv_fold" and value.isdigit()):
             options[key] = int(value)
         elif key in BOOL_OPTIONS:
             options[key] = value == "1"

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.launch import pdl_args, pdl_enter
+from runtime.kernels import pdl_mode
+from runtime.kernels.launch import l2_prefetch_once, pdl_args, pdl_enter
 
 NONE, RMSNORM, SILU_MUL = 0, 1, 2
 
@@ -71,7 +72,16 @@ TILES = {
 # "whole" for FP8, the faster of the three for each in the captured one-stream step (same-process A/B, six
 # interleaved rounds, medians: bf16 4.527 / 4.582 / 4.477 ms, FP8 2.738 / 2.727 / 2.838 ms for loop /
 # whole / whole_w; logits identical: bench/results/gemv-prologue-h200/).
-OPTIONS: dict[str, int | str] = {"fold": "table", "prologue": "auto"}
+# "l2_slice": under PDL, before its wait, thread 0 of each program asks L2 for the first this many bytes of
+# its weight rows (one contiguous slice; -1: all of it; 0: nothing). "auto" (the default): 2048 for FP8
+# weights, 0 for bf16. The captured one-stream FP8 step, 8 interleaved rounds: with serving's 4096-key table
+# 2.631 / 2.628 ms without, 2.601 / 2.602 with 2048 bytes, 2.606 with 3072; with a 576-key table
+# 2.600-2.606 without (five copies over two runs), 2.575-2.578 with 2048 (three), 2.592 with 1024, 2.588 /
+# 2.594 with 4096 / 8192, 2.799 with 32768, 3.071 with the whole slice. bf16: copies of the same graph
+# differed by up to 2.7% there, and 2048 bytes landed on both sides of the step without it, so it stays off
+# (bench/results/l2-prefetch-before-wait-h200/).
+OPTIONS: dict[str, int | str] = {"fold": "table", "prologue": "auto", "l2_slice": "auto"}
+L2_SLICE_FP8 = 2048
 PROLOGUES = ("loop", "whole", "whole_w", "auto")
 MAX_WHOLE_K = 8192
 
@@ -176,7 +186,7 @@ def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, out_ptr, N, K, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, WHOLE_K: tl.constexpr,
-    FIRST_W: tl.constexpr,
+    FIRST_W: tl.constexpr, L2_SLICE: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -186,6 +196,12 @@ def _gemv_kernel(
     # registers instead of 80 and the folded FP8 step lost to the unfolded one (3.14 vs 3.04 ms; folded with
     # these pointers it wins, 2.83 vs 3.02: bench/results/gemv-fold-h200/)
     w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
+    if L2_SLICE != 0:  # the program's rows are one contiguous slice: its first L2_SLICE bytes (-1: all)
+        W_BYTES: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        slice_bytes = (tl.minimum(N - pid * BLOCK_N, BLOCK_N) * K * W_BYTES).to(tl.int32)
+        if L2_SLICE > 0:
+            slice_bytes = tl.minimum(slice_bytes, L2_SLICE)
+        l2_prefetch_once(w_ptr + pid.to(tl.int64) * BLOCK_N * K, slice_bytes)
     pdl_enter(USE_PDL)
     if FIRST_W:  # the first tile's load in flight while the norm's row is read (OPTIONS "whole_w")
         w_first = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
@@ -241,6 +257,17 @@ def prologue_launch(prologue: int, k_dim: int, elem_bytes: int) -> dict[str, int
     return {"WHOLE_K": k_dim if whole else 0, "FIRST_W": whole and mode == "whole_w"}
 
 
+def l2_slice_launch(elem_bytes: int) -> dict[str, int]:
+    """L2_SLICE for a launch on weights of `elem_bytes` bytes under OPTIONS["l2_slice"]: nothing without PDL
+    (the prefetch is there to run before the wait; PDL also implies Hopper, which the prefetch needs)."""
+    mode = OPTIONS["l2_slice"]
+    if mode == "auto":
+        mode = L2_SLICE_FP8 if elem_bytes == 1 else 0
+    if not isinstance(mode, int) or isinstance(mode, bool) or (mode != -1 and (mode < 0 or mode % 16)):
+        raise ValueError(f"OPTIONS['l2_slice'] must be 'auto', -1 or a multiple of 16 >= 0, got {mode!r}")
+    return {"L2_SLICE": mode} if mode and pdl_mode() != "off" else {}
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None, prologue: int = NONE,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -270,6 +297,6 @@ def gemv(
         scale if scale is not None else weight, out, n_dim, k_dim, eps,
         PROLOGUE=prologue, HAS_RES=has_res, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         FOLD=fold, num_warps=warps, num_stages=1, **prologue_launch(prologue, k_dim, weight.element_size()),
-        **pdl_args(),
+        **l2_slice_launch(weight.element_size()), **pdl_args(),
     )
     return out, (res_out if prologue == RMSNORM else None)

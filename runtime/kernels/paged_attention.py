@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import pdl_mode
 from runtime.kernels.elementwise import fp8_quantize, rms_rope, scale_args, scale_offsets
-from runtime.kernels.launch import pdl_args, pdl_enter
+from runtime.kernels.launch import l2_prefetch_once, pdl_args, pdl_enter
 
 
 def _dot_precision(q: torch.Tensor) -> str:
@@ -41,9 +42,10 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, QUANT: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, L2_KV: tl.constexpr = False,
 ):
-    pdl_enter(USE_PDL)
+    if not L2_KV:
+        pdl_enter(USE_PDL)
     if KV_FIRST:  # grid (KV heads, sequences, partitions): a sequence's KV heads are launched side by side
         kvh = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
@@ -67,6 +69,16 @@ def _decode_kernel(
     end = tl.minimum(seq_len, start + part_len)
     if STORE_ONLY:  # the row's K/V store alone (FUSE_ROPE): no keys are read, nothing is written to out
         end = start
+    if L2_KV:
+        # the partition's first key's K and V rows asked into L2 before the PDL wait (OPTIONS["l2_kv"]): the
+        # lengths and block tables are the step's inputs, and every key but the new one is from earlier steps
+        has_keys = start < end
+        blk0 = tl.load(tables_ptr + seq * max_blocks + start // BLOCK_SIZE, mask=has_keys, other=0).to(tl.int64)
+        off0 = blk0 * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (start % BLOCK_SIZE) * TOK_STRIDE + kvh * HEAD_STRIDE
+        row_bytes = tl.where(has_keys, HEAD_DIM * (k_ptr.dtype.element_ty.primitive_bitwidth // 8), 0).to(tl.int32)
+        l2_prefetch_once(k_ptr + off0, row_bytes)
+        l2_prefetch_once(v_ptr + off0, row_bytes)
+        pdl_enter(USE_PDL)
     if FUSE_ROPE:
         # q/k RMSNorm + RoPE from the QKV projection's row (as `qk_norm_rope_store`): every partition
         # rotates its own query heads; the one holding the new key (position seq_len - 1) also stores the
@@ -199,8 +211,15 @@ SPLIT_TWO_BELOW = 256
 # "split_two_below": programs under which keys split in 2.
 # "launch": (key tile, warps, stages) for every grid whose keys are not split, in place of `decode_launch`'s
 # choice (None: its choice).
+# "l2_kv": under PDL with more than 2 key partitions, each program asks L2 for its first key's K and V rows
+# before its wait (runtime/kernels/launch.py `l2_prefetch_once`). The captured one-stream FP8 step,
+# 4096-key table: 2.613 ms against 2.631 / 2.628 without, and 2.588 / 2.595 with the GEMV's prefetch too
+# against 2.601 / 2.602 with that alone; 8 streams bf16 5.505 / 5.477 against 5.531 / 5.523 (both
+# prefetches' defaults on and off). Asking for the whole first key tile instead (one prefetch per key row)
+# was slower: 2.650 / 2.666 against 2.603-2.606 (bench/results/l2-prefetch-before-wait-h200/).
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
+    "l2_kv": True,
 }
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
@@ -254,6 +273,13 @@ def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = 
 def _is_hopper(device: torch.device) -> bool:
     """Compute capability 9.x: the narrow launch was measured (and its loop-trip check run) only there."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def l2_kv_launch(num_parts: int) -> bool:
+    """L2_KV for a decode launch: OPTIONS["l2_kv"], under PDL (the prefetch is there to run before the wait;
+    PDL also implies Hopper, which it needs), with more than 2 key partitions (1-8 streams, where it was
+    measured: at 16 streams, 2 partitions, 5.503 / 5.506 ms with it against 5.498 / 5.482 without)."""
+    return bool(OPTIONS["l2_kv"]) and num_parts > 2 and pdl_mode() != "off"
 
 
 def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
@@ -338,7 +364,8 @@ def _decode(
         BLOCK_SIZE=block_size, NUM_KV=num_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
-        QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
+        L2_KV=l2_kv_launch(num_parts), **pdl_args(),
     )
     if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,

@@ -33,7 +33,9 @@ HOPPER, ADA = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 89, 32)
 
 def _ptx(fn, signature: dict[str, str], constexprs: dict, target: GPUTarget, aligned: tuple[str, ...] = ()) -> str:
     """PTX of `fn`; `aligned` names the arguments to declare divisible by 16, as Triton's launcher does at run
-    time for 16-byte aligned pointers and sizes (without it, loads are not vectorized)."""
+    time for 16-byte aligned pointers and sizes (without it, loads are not vectorized). Constexprs with
+    defaults that are not given take them, as a launch does."""
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     sig = dict(signature) | {name: "constexpr" for name in constexprs}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -225,6 +227,35 @@ def test_gemv_whole_row_prologue_reads_the_row_outside_any_loop(first_w: bool) -
     loads = re.findall(r"^\s*(@%p\d+ )?ld\.global\.(v\d)\.b32", before, re.MULTILINE)
     row = [("", "v4")] * 8
     assert loads == ([("@%p1 ", "v4")] * 4 + row + [("", "v2")] * 3 if first_w else row)
+
+
+def _prefetches_before_wait(ptx: str) -> list[str]:
+    """The bulk L2 prefetch lines of `ptx` that come before its PDL wait (all of them must)."""
+    lines = [line.strip() for line in ptx.splitlines() if "cp.async.bulk.prefetch.L2.global" in line]
+    assert all(ptx.index(line) < ptx.index("griddepcontrol.wait") for line in lines)
+    return lines
+
+
+def test_l2_prefetches_are_issued_once_per_program_before_the_pdl_wait() -> None:
+    """The FP8 GEMV (L2_SLICE) asks once, the split-key decode attention (L2_KV) twice (the first key's K and
+    V rows), each predicated on thread 0 and a non-zero size, before `griddepcontrol.wait`; without the
+    options the kernels hold no prefetch."""
+    gemv_c = {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": True, "BLOCK_N": 32, "BLOCK_K": 512,
+              "USE_PDL": True, "FOLD": 2, "WHOLE_K": 4096, "FIRST_W": False}
+    sig = GEMV_SIG | {"w_ptr": "*fp8e4nv"}
+    with_slice = _ptx(gemv._gemv_kernel, sig, gemv_c | {"L2_SLICE": 2048}, HOPPER)
+    (line,) = _prefetches_before_wait(with_slice)
+    assert re.fullmatch(r"@%pf cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", line)
+    assert "setp.eq.u32 %po, %tf, 0;" in with_slice and "setp.ne.and.u32 %pf" in with_slice
+    assert re.search(r"min\.s32\s+%r\d+, %r\d+, 2048;", with_slice)  # the size capped by the constant
+    assert "cp.async.bulk.prefetch" not in _ptx(gemv._gemv_kernel, sig, gemv_c, HOPPER)
+    attn_c = {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64,
+              "PART": 0, "NUM_PARTS": 16, "DOT_PREC": "tf32", "STORE_ONLY": False, "USE_PDL": True}
+    for fuse in (False, True):
+        with_kv = _ptx(paged_attention._decode_kernel, DECODE_SIG, attn_c | {"FUSE_ROPE": fuse, "L2_KV": True}, HOPPER)
+        assert len(_prefetches_before_wait(with_kv)) == 2
+        plain = _ptx(paged_attention._decode_kernel, DECODE_SIG, attn_c | {"FUSE_ROPE": fuse}, HOPPER)
+        assert "cp.async.bulk.prefetch" not in plain
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:

@@ -498,6 +498,35 @@ def test_decode_steps_fuse_rope_into_attention_only_up_to_two_key_partitions(
         torch.testing.assert_close(x, y, atol=0, rtol=0)
 
 
+def test_l2_prefetch_launch_choices() -> None:
+    """The L2 prefetches before the PDL wait (docs/gpu.md, fortieth session) are launched only under PDL:
+    the GEMV's 2048 bytes per program for FP8 weights (none for bf16, where nothing was measured), the decode
+    attention's first key with more than 2 key partitions (1-8 streams; at 16 streams, 2 partitions, it was
+    not faster). A size that is not a multiple of 16 bytes is refused at launch, not sent to the GPU."""
+    pytest.importorskip("triton")
+    from runtime.kernels import gemv, pdl_launches
+    from runtime.kernels import paged_attention as attn
+
+    assert gemv.l2_slice_launch(1) == {} and attn.l2_kv_launch(16) is False  # PDL off (the default)
+    with pdl_launches("wait"):
+        assert gemv.l2_slice_launch(1) == {"L2_SLICE": 2048}
+        assert gemv.l2_slice_launch(2) == {}
+        assert [attn.l2_kv_launch(p) for p in (1, 2, 4, 8, 16)] == [False, False, True, True, True]
+        before = dict(gemv.OPTIONS), dict(attn.OPTIONS)
+        try:
+            gemv.OPTIONS["l2_slice"], attn.OPTIONS["l2_kv"] = -1, False
+            assert gemv.l2_slice_launch(2) == {"L2_SLICE": -1} and attn.l2_kv_launch(16) is False
+            gemv.OPTIONS["l2_slice"] = 0
+            assert gemv.l2_slice_launch(1) == {}
+            for bad in (100, -2, "all", True):
+                gemv.OPTIONS["l2_slice"] = bad
+                with pytest.raises(ValueError, match="l2_slice"):
+                    gemv.l2_slice_launch(1)
+        finally:
+            gemv.OPTIONS.update(before[0])
+            attn.OPTIONS.update(before[1])
+
+
 def test_decode_attention_launch_shape_by_grid() -> None:
     """The decode kernel's launch shape: one-warp, 32-key, 2-stage programs for 96-128 and 256 sequences x
     8 KV heads (the grids where it was measured faster) with unsplit keys on Hopper (3 stages hang the GPU
