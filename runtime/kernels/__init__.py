@@ -11,8 +11,8 @@ wave. Modes: "off" (ordinary launches) and "wait" (each kernel waits at its star
 successor launch). A third mode that also prefetched the GEMV's weight rows into L2 before the wait was
 slower on the H200 (docs/gpu.md) and was removed, as was one that let the successor launch before the wait
 (bench/results/pdl-early-h200/). What is kept is smaller: one L2 prefetch per program, from one thread,
-before the wait, in the FP8 one-row GEMV and the split-key decode attention (runtime/kernels/launch.py
-`l2_prefetch_once`). The mode is per thread (an engine thread and a vocoder
+before the wait, in the FP8 GEMVs of 1-4 rows and the split-key decode attention
+(runtime/kernels/launch.py `l2_prefetch_once`). The mode is per thread (an engine thread and a vocoder
 thread of one process do not see each other's), and the vocoder's kernels use the same helpers.
 """
 from __future__ import annotations

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.launch import pdl_args, pdl_enter
+from runtime.kernels import gemv as gemv_mod
+from runtime.kernels.launch import l2_prefetch_rows, pdl_args, pdl_enter
 
 MAX_ROWS = 16
 
@@ -70,7 +71,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Ten
 
 @triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                      L2_SLICE: tl.constexpr = 0):
     pid = tl.program_id(0)
     n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     nmask = n < N
@@ -78,6 +80,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, ROWS:
     w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
     r_idx = tl.arange(0, ROWS)
     VEC: tl.constexpr = 16
+    if L2_SLICE != 0:  # as the one-row GEMV (gemv.py OPTIONS["l2_slice"])
+        l2_prefetch_rows(w_ptr, pid, N, K, BLOCK_N, L2_SLICE)
     pdl_enter(USE_PDL)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // VEC], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -99,7 +103,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, tiles: tupl
     rows = max(2, triton.next_power_of_2(m))
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _gemv_rows_kernel[(triton.cdiv(n, bn),)](x, w, scale, out, m, n, K=k, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
-                                            num_warps=warps, num_stages=1, **pdl_args())
+                                            num_warps=warps, num_stages=1, **gemv_mod.l2_slice_launch(1),
+                                            **pdl_args())
     return out
 
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels import pdl_mode
-from runtime.kernels.launch import l2_prefetch_once, pdl_args, pdl_enter
+from runtime.kernels.launch import l2_prefetch_rows, pdl_args, pdl_enter
 
 NONE, RMSNORM, SILU_MUL = 0, 1, 2
 
@@ -79,7 +79,8 @@ TILES = {
 # 2.600-2.606 without (five copies over two runs), 2.575-2.578 with 2048 (three), 2.592 with 1024, 2.588 /
 # 2.594 with 4096 / 8192, 2.799 with 32768, 3.071 with the whole slice. bf16: copies of the same graph
 # differed by up to 2.7% there, and 2048 bytes landed on both sides of the step without it, so it stays off
-# (bench/results/l2-prefetch-before-wait-h200/).
+# (bench/results/l2-prefetch-before-wait-h200/). The FP8 2-4-row GEMV (fp8_gemv.py) follows this option too:
+# 2 streams 3.020 / 3.016 ms against 3.044 / 3.041, 3-4 streams even.
 OPTIONS: dict[str, int | str] = {"fold": "table", "prologue": "auto", "l2_slice": "auto"}
 L2_SLICE_FP8 = 2048
 PROLOGUES = ("loop", "whole", "whole_w", "auto")
@@ -196,12 +197,8 @@ def _gemv_kernel(
     # registers instead of 80 and the folded FP8 step lost to the unfolded one (3.14 vs 3.04 ms; folded with
     # these pointers it wins, 2.83 vs 3.02: bench/results/gemv-fold-h200/)
     w_ptrs = w_ptr + n[:, None] * K + tile[None, :]
-    if L2_SLICE != 0:  # the program's rows are one contiguous slice: its first L2_SLICE bytes (-1: all)
-        W_BYTES: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        slice_bytes = (tl.minimum(N - pid * BLOCK_N, BLOCK_N) * K * W_BYTES).to(tl.int32)
-        if L2_SLICE > 0:
-            slice_bytes = tl.minimum(slice_bytes, L2_SLICE)
-        l2_prefetch_once(w_ptr + pid.to(tl.int64) * BLOCK_N * K, slice_bytes)
+    if L2_SLICE != 0:  # the first L2_SLICE bytes of the program's weight rows (-1: all) asked before the wait
+        l2_prefetch_rows(w_ptr, pid, N, K, BLOCK_N, L2_SLICE)
     pdl_enter(USE_PDL)
     if FIRST_W:  # the first tile's load in flight while the norm's row is read (OPTIONS "whole_w")
         w_first = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)

@@ -37,3 +37,14 @@ def l2_prefetch_once(ptr, nbytes):
         "{\n.reg .pred %pf, %po;\n.reg .u32 %tf;\nmov.u32 %tf, %tid.x;\nsetp.eq.u32 %po, %tf, 0;\n"
         "setp.ne.and.u32 %pf, $2, 0, %po;\n@%pf cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}",
         "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def l2_prefetch_rows(w_ptr, pid, N, K, BLOCK_N: tl.constexpr, SLICE: tl.constexpr):
+    """Program `pid` of a GEMV owns rows pid * BLOCK_N ... of a row-major [N, K] weight: one contiguous slice.
+    Ask L2 for its first SLICE bytes (-1: all of it) with `l2_prefetch_once`."""
+    w_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    slice_bytes = (tl.minimum(N - pid * BLOCK_N, BLOCK_N) * K * w_bytes).to(tl.int32)
+    if SLICE > 0:
+        slice_bytes = tl.minimum(slice_bytes, SLICE)
+    l2_prefetch_once(w_ptr + pid.to(tl.int64) * BLOCK_N * K, slice_bytes)

@@ -237,7 +237,7 @@ def _prefetches_before_wait(ptx: str) -> list[str]:
 
 
 def test_l2_prefetches_are_issued_once_per_program_before_the_pdl_wait() -> None:
-    """The FP8 GEMV (L2_SLICE) asks once, the split-key decode attention (L2_KV) twice (the first key's K and
+    """The FP8 GEMVs, one row and 2-4 rows (L2_SLICE), ask once, the split-key decode attention (L2_KV) twice (the first key's K and
     V rows), each predicated on thread 0 and a non-zero size, before `griddepcontrol.wait`; without the
     options the kernels hold no prefetch."""
     gemv_c = {"PROLOGUE": gemv.RMSNORM, "HAS_RES": True, "HAS_SCALE": True, "BLOCK_N": 32, "BLOCK_K": 512,
@@ -249,6 +249,11 @@ def test_l2_prefetches_are_issued_once_per_program_before_the_pdl_wait() -> None
     assert "setp.eq.u32 %po, %tf, 0;" in with_slice and "setp.ne.and.u32 %pf" in with_slice
     assert re.search(r"min\.s32\s+%r\d+, %r\d+, 2048;", with_slice)  # the size capped by the constant
     assert "cp.async.bulk.prefetch" not in _ptx(gemv._gemv_kernel, sig, gemv_c, HOPPER)
+    rows_sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32"}
+    rows_c = {"K": 4096, "ROWS": 2, "BLOCK_N": 8, "BLOCK_K": 1024, "USE_PDL": True}
+    assert len(_prefetches_before_wait(_ptx(fp8_gemv._gemv_rows_kernel, rows_sig, rows_c | {"L2_SLICE": 2048},
+                                            HOPPER))) == 1
+    assert "cp.async.bulk.prefetch" not in _ptx(fp8_gemv._gemv_rows_kernel, rows_sig, rows_c, HOPPER)
     attn_c = {"BLOCK_SIZE": 16, "NUM_KV": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 64,
               "PART": 0, "NUM_PARTS": 16, "DOT_PREC": "tf32", "STORE_ONLY": False, "USE_PDL": True}
     for fuse in (False, True):
