@@ -215,8 +215,10 @@ SPLIT_TWO_BELOW = 256
 # before its wait (runtime/kernels/launch.py `l2_prefetch_once`). The captured one-stream FP8 step,
 # 4096-key table: 2.613 ms against 2.631 / 2.628 without, and 2.588 / 2.595 with the GEMV's prefetch too
 # against 2.601 / 2.602 with that alone; 8 streams bf16 5.505 / 5.477 against 5.531 / 5.523 (both
-# prefetches' defaults on and off). Asking for the whole first key tile instead (one prefetch per key row)
-# was slower: 2.650 / 2.666 against 2.603-2.606 (bench/results/l2-prefetch-before-wait-h200/).
+# prefetches' defaults on and off). 8 streams FP8 (this prefetch the only difference) is mixed: 4.549 /
+# 4.557 against 4.499 / 4.765, the first pair 1.1% slower in all 8 rounds. Asking for the whole first key
+# tile instead (one prefetch per key row) was slower: 2.666 against 2.625 (576-key table) and 2.650 against
+# 2.603-2.606 (bench/results/l2-prefetch-before-wait-h200/ runs 1 and 3).
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
     "l2_kv": True,
@@ -277,8 +279,9 @@ def _is_hopper(device: torch.device) -> bool:
 
 def l2_kv_launch(num_parts: int) -> bool:
     """L2_KV for a decode launch: OPTIONS["l2_kv"], under PDL (the prefetch is there to run before the wait;
-    PDL also implies Hopper, which it needs), with more than 2 key partitions (1-8 streams, where it was
-    measured: at 16 streams, 2 partitions, 5.503 / 5.506 ms with it against 5.498 / 5.482 without)."""
+    PDL also implies Hopper, which it needs), with more than 2 key partitions (1-8 streams; measured at 1
+    and 8: faster at one stream and at 8 with bf16 weights, mixed at 8 with FP8, see OPTIONS' note; at 16
+    streams, 2 partitions, 5.503 / 5.506 ms with it against 5.498 / 5.482 without)."""
     return bool(OPTIONS["l2_kv"]) and num_parts > 2 and pdl_mode() != "off"
 
 

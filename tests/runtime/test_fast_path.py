@@ -527,6 +527,58 @@ def test_l2_prefetch_launch_choices() -> None:
             attn.OPTIONS.update(before[1])
 
 
+def test_l2_prefetch_choices_reach_the_kernel_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrappers hand `l2_slice_launch` / `l2_kv_launch`'s choices to the kernels: the one-row GEMV and
+    the FP8 2-4-row GEMV launch with L2_SLICE=2048 on FP8 weights under PDL (never on bf16 weights, never
+    without PDL), the decode attention with L2_KV above 2 key partitions under PDL. The kernels are replaced
+    by recorders of their launch keywords, so this runs on the CPU."""
+    pytest.importorskip("triton")
+    from runtime.kernels import fp8_gemv, pdl_launches
+    from runtime.kernels import gemv as gemv_mod
+    from runtime.kernels import paged_attention as attn
+
+    launches: list[tuple[str, dict]] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: tuple[int, ...]):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+    for module, kernel in ((gemv_mod, "_gemv_kernel"), (fp8_gemv, "_gemv_rows_kernel"),
+                           (attn, "_decode_kernel"), (attn, "_decode_reduce_kernel")):
+        monkeypatch.setattr(module, kernel, Recorder(kernel))
+    k_dim, n_dim, block_size, kv_heads, head_dim = 1024, 64, 16, 2, 64
+    x = torch.zeros(1, k_dim, dtype=torch.bfloat16)
+    w_fp8 = torch.zeros(n_dim, k_dim, dtype=torch.float8_e4m3fn)
+    w_bf16 = torch.zeros(n_dim, k_dim, dtype=torch.bfloat16)
+    scale = torch.ones(n_dim)
+    q = torch.zeros(1, 2 * kv_heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    tables, seq_lens = torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32)
+
+    def launch_all() -> list[tuple[str, object, object]]:
+        launches.clear()
+        gemv_mod.gemv(x, w_fp8, scale=scale)
+        gemv_mod.gemv(x, w_bf16)
+        fp8_gemv.gemv_rows(torch.zeros(3, k_dim, dtype=torch.bfloat16), w_fp8, scale, (8, 256, 4))
+        for parts in (1, 2, 4, 8):
+            attn.paged_decode_attention(q, cache, cache, tables, seq_lens, num_parts=parts)
+        return [(name, kw.get("L2_SLICE"), kw.get("L2_KV")) for name, kw in launches
+                if name != "_decode_reduce_kernel"]
+
+    without_pdl = launch_all()
+    assert without_pdl == [("_gemv_kernel", None, None), ("_gemv_kernel", None, None),
+                           ("_gemv_rows_kernel", None, None)] + [("_decode_kernel", None, False)] * 4
+    with pdl_launches("wait"):
+        assert launch_all() == [
+            ("_gemv_kernel", 2048, None), ("_gemv_kernel", None, None), ("_gemv_rows_kernel", 2048, None),
+            ("_decode_kernel", None, False), ("_decode_kernel", None, False), ("_decode_kernel", None, True),
+            ("_decode_kernel", None, True)]
+        assert all(kw["USE_PDL"] and kw["launch_pdl"] for _, kw in launches)
+
+
 def test_decode_attention_launch_shape_by_grid() -> None:
     """The decode kernel's launch shape: one-warp, 32-key, 2-stage programs for 96-128 and 256 sequences x
     8 KV heads (the grids where it was measured faster) with unsplit keys on Hopper (3 stages hang the GPU
