@@ -215,10 +215,15 @@ SPLIT_TWO_BELOW = 256
 # before its wait (runtime/kernels/launch.py `l2_prefetch_once`). The captured one-stream FP8 step,
 # 4096-key table: 2.613 ms against 2.631 / 2.628 without, and 2.588 / 2.595 with the GEMV's prefetch too
 # against 2.601 / 2.602 with that alone; 8 streams bf16 5.505 / 5.477 against 5.531 / 5.523 (both
-# prefetches' defaults on and off). 8 streams FP8 (this prefetch the only difference) is mixed: 4.549 /
-# 4.557 against 4.499 / 4.765, the first pair 1.1% slower in all 8 rounds. Asking for the whole first key
-# tile instead (one prefetch per key row) was slower: 2.666 against 2.625 (576-key table) and 2.650 against
-# 2.603-2.606 (bench/results/l2-prefetch-before-wait-h200/ runs 1 and 3).
+# prefetches' defaults on and off). Asking for the whole first key tile instead (one prefetch per key row)
+# was slower: 2.666 against 2.625 (576-key table) and 2.650 against 2.603-2.606
+# (bench/results/l2-prefetch-before-wait-h200/ runs 1 and 3). Above a few streams it does not pay
+# (L2_KV_BELOW_BATCH; this prefetch alone on and off, 3 copies each, run 7): FP8 weights, 2 streams 3.011 /
+# 3.010 / 3.013 against 3.013 / 3.018 / 3.021 ms, 4 streams 4.450 / 4.443 / 4.458 against 4.452 / 4.478 /
+# 4.662, 8 streams 4.837 / 4.866 / 4.829 against 4.795 / 4.797 / 4.800 (slower in 4 of the 5 pairs of runs 5
+# and 7); bf16 weights, 8 streams 5.507 / 5.510 / 5.505 against 5.511 / 5.521 / 5.502 (run 5: 5.505 / 5.477
+# against 5.531 / 5.523); 16 streams (2 partitions) 0.1-0.4% slower in run 5.
+L2_KV_BELOW_BATCH = 8
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
     "l2_kv": True,
@@ -277,12 +282,13 @@ def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def l2_kv_launch(num_parts: int) -> bool:
-    """L2_KV for a decode launch: OPTIONS["l2_kv"], under PDL (the prefetch is there to run before the wait;
-    PDL also implies Hopper, which it needs), with more than 2 key partitions (1-8 streams; measured at 1
-    and 8: faster at one stream and at 8 with bf16 weights, mixed at 8 with FP8, see OPTIONS' note; at 16
-    streams, 2 partitions, 5.503 / 5.506 ms with it against 5.498 / 5.482 without)."""
-    return bool(OPTIONS["l2_kv"]) and num_parts > 2 and pdl_mode() != "off"
+def l2_kv_launch(num_parts: int, batch: int) -> bool:
+    """L2_KV for a decode launch of `batch` sequences: OPTIONS["l2_kv"], under PDL (the prefetch is there to
+    run before the wait; PDL also implies Hopper, which it needs), with more than 2 key partitions and fewer
+    than L2_KV_BELOW_BATCH sequences (see OPTIONS' note: faster or even at 1, 2 and 4 streams, not at 8 or
+    16)."""
+    return (bool(OPTIONS["l2_kv"]) and num_parts > 2 and batch < L2_KV_BELOW_BATCH
+            and pdl_mode() != "off")
 
 
 def _part_len(max_context: int, num_parts: int, block_n: int) -> int:
@@ -368,7 +374,7 @@ def _decode(
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
         QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
-        L2_KV=l2_kv_launch(num_parts), **pdl_args(),
+        L2_KV=l2_kv_launch(num_parts, batch), **pdl_args(),
     )
     if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,

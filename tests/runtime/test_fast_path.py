@@ -501,21 +501,22 @@ def test_decode_steps_fuse_rope_into_attention_only_up_to_two_key_partitions(
 def test_l2_prefetch_launch_choices() -> None:
     """The L2 prefetches before the PDL wait (docs/gpu.md, fortieth session) are launched only under PDL:
     the GEMV's 2048 bytes per program for FP8 weights (none for bf16, where nothing was measured), the decode
-    attention's first key with more than 2 key partitions (1-8 streams; at 16 streams, 2 partitions, it was
-    not faster). A size that is not a multiple of 16 bytes is refused at launch, not sent to the GPU."""
+    attention's first key with more than 2 key partitions and fewer than 8 sequences (not faster at 8
+    streams with FP8 weights, nor at 16 with 2 partitions). A size that is not a multiple of 16 bytes is refused at launch, not sent to the GPU."""
     pytest.importorskip("triton")
     from runtime.kernels import gemv, pdl_launches
     from runtime.kernels import paged_attention as attn
 
-    assert gemv.l2_slice_launch(1) == {} and attn.l2_kv_launch(16) is False  # PDL off (the default)
+    assert gemv.l2_slice_launch(1) == {} and attn.l2_kv_launch(16, 1) is False  # PDL off (the default)
     with pdl_launches("wait"):
         assert gemv.l2_slice_launch(1) == {"L2_SLICE": 2048}
         assert gemv.l2_slice_launch(2) == {}
-        assert [attn.l2_kv_launch(p) for p in (1, 2, 4, 8, 16)] == [False, False, True, True, True]
+        assert [attn.l2_kv_launch(p, 1) for p in (1, 2, 4, 8, 16)] == [False, False, True, True, True]
+        assert [attn.l2_kv_launch(16, b) for b in (1, 4, 7, 8, 15)] == [True, True, True, False, False]
         before = dict(gemv.OPTIONS), dict(attn.OPTIONS)
         try:
             gemv.OPTIONS["l2_slice"], attn.OPTIONS["l2_kv"] = -1, False
-            assert gemv.l2_slice_launch(2) == {"L2_SLICE": -1} and attn.l2_kv_launch(16) is False
+            assert gemv.l2_slice_launch(2) == {"L2_SLICE": -1} and attn.l2_kv_launch(16, 1) is False
             gemv.OPTIONS["l2_slice"] = 0
             assert gemv.l2_slice_launch(1) == {}
             for bad in (100, -2, "all", True):
@@ -530,7 +531,8 @@ def test_l2_prefetch_launch_choices() -> None:
 def test_l2_prefetch_choices_reach_the_kernel_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wrappers hand `l2_slice_launch` / `l2_kv_launch`'s choices to the kernels: the one-row GEMV and
     the FP8 2-4-row GEMV launch with L2_SLICE=2048 on FP8 weights under PDL (never on bf16 weights, never
-    without PDL), the decode attention with L2_KV above 2 key partitions under PDL. The kernels are replaced
+    without PDL), the decode attention with L2_KV above 2 key partitions under PDL for fewer than 8
+    sequences (batch is the wrapper's first dimension, not the table's width). The kernels are replaced
     by recorders of their launch keywords, so this runs on the CPU."""
     pytest.importorskip("triton")
     from runtime.kernels import fp8_gemv, pdl_launches
@@ -557,6 +559,7 @@ def test_l2_prefetch_choices_reach_the_kernel_launches(monkeypatch: pytest.Monke
     q = torch.zeros(1, 2 * kv_heads, head_dim, dtype=torch.bfloat16)
     cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
     tables, seq_lens = torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32)
+    q8, tables8, seq_lens8 = q.expand(8, -1, -1).contiguous(), tables.expand(8, -1).contiguous(), seq_lens.repeat(8)
 
     def launch_all() -> list[tuple[str, object, object]]:
         launches.clear()
@@ -565,17 +568,18 @@ def test_l2_prefetch_choices_reach_the_kernel_launches(monkeypatch: pytest.Monke
         fp8_gemv.gemv_rows(torch.zeros(3, k_dim, dtype=torch.bfloat16), w_fp8, scale, (8, 256, 4))
         for parts in (1, 2, 4, 8):
             attn.paged_decode_attention(q, cache, cache, tables, seq_lens, num_parts=parts)
+        attn.paged_decode_attention(q8, cache, cache, tables8, seq_lens8, num_parts=8)
         return [(name, kw.get("L2_SLICE"), kw.get("L2_KV")) for name, kw in launches
                 if name != "_decode_reduce_kernel"]
 
     without_pdl = launch_all()
     assert without_pdl == [("_gemv_kernel", None, None), ("_gemv_kernel", None, None),
-                           ("_gemv_rows_kernel", None, None)] + [("_decode_kernel", None, False)] * 4
+                           ("_gemv_rows_kernel", None, None)] + [("_decode_kernel", None, False)] * 5
     with pdl_launches("wait"):
         assert launch_all() == [
             ("_gemv_kernel", 2048, None), ("_gemv_kernel", None, None), ("_gemv_rows_kernel", 2048, None),
             ("_decode_kernel", None, False), ("_decode_kernel", None, False), ("_decode_kernel", None, True),
-            ("_decode_kernel", None, True)]
+            ("_decode_kernel", None, True), ("_decode_kernel", None, False)]
         assert all(kw["USE_PDL"] and kw["launch_pdl"] for _, kw in launches)
 
 
