@@ -45,12 +45,13 @@ def test_gpu_config_is_refused_on_a_gpu_less_cluster(name: str) -> None:
     check_gpus(args, gpus_available=1.0)  # one card holds 0.8 + 0.2
 
 
-@pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib", "eager_rows", "speech_encoder"), [
-    ("serve-4090.yaml", None, 512, (19.75, 2.25), [4, 8], "none"),
-    ("serve-4090-fp8.yaml", "all", 1024, (15.0, 5.0), [], "full")])
+@pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib", "eager_rows", "speech_encoder",
+                          "captured_rows"), [
+    ("serve-4090.yaml", None, 512, (19.75, 2.25), [4, 8], "none", 2),
+    ("serve-4090-fp8.yaml", "all", 1024, (15.0, 5.0), [], "full", 8)])
 def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
         name: str, fp8_scope: str | None, step_tokens: int, caps_gib: tuple[float, float],
-        eager_rows: list[int], speech_encoder: str) -> None:
+        eager_rows: list[int], speech_encoder: str, captured_rows: int) -> None:
     # measured under these caps on an H200: bench/results/serve-4090-on-h200/, (the bf16 config's 512
     # tokens per step, after 1024 ran out of memory in a burst) bench/results/serve-4090-kv8/ and (the FP8
     # config's caps with the speech encoder on the vocoder replica) bench/results/serve-4090-fp8-speech/
@@ -64,6 +65,21 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
     assert args.vocoder_cuda_graphs and args.vocoder_bucket_shapes and not args.vocoder_graphs_after_warmup
     assert args.vocoder_eager_warmup_rows == eager_rows
     assert args.speech_encoder == speech_encoder  # the bf16 config has no room for the encoder
+    # no vocoder step outgrows the graphs captured at start (eager steps of more rows took 0.2-1.9 s under
+    # load: bench/results/serve-4090-vocoder-cap-h200/)
+    assert args.vocoder_max_batch_size == max(args.vocoder_warmup_rows) == captured_rows
+
+
+def test_bf16_24gb_config_scales_its_vocoder_on_lag_not_on_full_two_row_steps() -> None:
+    """At a cap of 2 rows every step of 2 or more streams is "full" (occupancy 1.0): the config's policy must
+    not call that hot, only a stream falling behind real time."""
+    from deployments.autoscaling import VocoderPolicy
+
+    args = yaml_args("serve-4090.yaml")
+    policy = VocoderPolicy(**args["vocoder_options"]["autoscaling_config"]["policy"]["policy_kwargs"])
+    full = {"batch_occupancy": {"r1": 1.0}, "lag_s": {"r1": 0.0}}
+    assert policy.classify(full)[0] == "hold"
+    assert policy.classify(full | {"lag_s": {"r1": 0.6}}) == ("hot", "lag_s 0.6 > 0.5")
 
 
 def test_the_vocoder_call_timeout_and_retry_after_reach_the_vocoder_replica() -> None:
