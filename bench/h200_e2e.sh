@@ -25,7 +25,10 @@
 # instead of Serve's proxy), MPS (1: run an NVIDIA MPS control daemon for the run, pipe and logs under /tmp, so that the LLM and vocoder
 # processes share the GPU concurrently instead of time-slicing it; stopped at the end; GPU mode only),
 # SPEECH_LEVELS / SPEECH_REQUESTS / SPEECH_INPUT_S (a closed loop of spoken questions after the text one:
-# bench/client.py --speech-input-s, streamed chats with a WAV of SPEECH_INPUT_S seconds, default 5; none by default).
+# bench/client.py --speech-input-s, streamed chats with a WAV of SPEECH_INPUT_S seconds, default 5; none by default),
+# BUNDLE (a .tgz path outside $OUT: the whole of $OUT archived there at the end, for a device call, which
+# brings back only a limited number of files: `BUNDLE=$OUT/run.tgz OUT=/tmp/run bash bench/h200_e2e.sh`,
+# BUNDLE first, since a command's assignments expand in order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -38,6 +41,7 @@ OPEN_RATES=${OPEN_RATES:-}; OPEN_DURATION=${OPEN_DURATION:-30}
 STEADY_LEVELS=${STEADY_LEVELS:-}; STEADY_REQUESTS=${STEADY_REQUESTS:-}; LISTEN_LEVELS=${LISTEN_LEVELS:-}
 LISTEN_REQUESTS=${LISTEN_REQUESTS:-}; RAMP_S=${RAMP_S:-3}; PIPE_RAMP_S=${PIPE_RAMP_S:-0}
 mkdir -p "$OUT"
+case "${BUNDLE:-}" in "$OUT"/*) echo "BUNDLE ($BUNDLE) must lie outside OUT ($OUT)" >&2; exit 2;; esac
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
 if [ "$MODE" = gpu ]; then
@@ -327,3 +331,6 @@ for before, after in zip(names, names[1:]):
     print(f"server stages, {after}: {line}; vocoder steps (ms): {'; '.join(steps) or '-'}")
 EOF
 log "total $(( $(date +%s) - T0 ))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+if [ -n "${BUNDLE:-}" ]; then  # one archive of $OUT (the device tool brings back a limited number of files per call)
+  tar -czf "$BUNDLE" -C "$(dirname "$OUT")" "$(basename "$OUT")" && log "bundled $OUT into $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
+fi
