@@ -285,8 +285,9 @@ def _is_hopper(device: torch.device) -> bool:
 def l2_kv_launch(num_parts: int, batch: int) -> bool:
     """L2_KV for a decode launch of `batch` sequences: OPTIONS["l2_kv"], under PDL (the prefetch is there to
     run before the wait; PDL also implies Hopper, which it needs), with more than 2 key partitions and fewer
-    than L2_KV_BELOW_BATCH sequences (see OPTIONS' note: faster or even at 1, 2 and 4 streams, not at 8 or
-    16)."""
+    than L2_KV_BELOW_BATCH sequences (see OPTIONS' note: faster or even at 1, 2 and 4 streams; at 8 slower
+    with FP8 weights, even with bf16; at 16 slower). `batch` is the launch's rows: a captured step's bucket,
+    so 5-7 streams (the 8-row graph) go without it."""
     return (bool(OPTIONS["l2_kv"]) and num_parts > 2 and batch < L2_KV_BELOW_BATCH
             and pdl_mode() != "off")
 
