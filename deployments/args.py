@@ -186,6 +186,14 @@ class AppArgs(BaseModel):
             raise ValueError("vocoder_graphs_after_warmup: false needs vocoder_warmup_rows")
         if self.vocoder_eager_warmup_rows and self.vocoder_graphs_after_warmup:
             raise ValueError("vocoder_eager_warmup_rows needs vocoder_graphs_after_warmup: false")
+        largest = self.vocoder_max_batch_size
+        if self.vocoder_bucket_shapes:  # every step is padded to its row bucket
+            from vocoder.streaming import row_bucket
+            largest = row_bucket(largest)
+        for name in ("vocoder_warmup_rows", "vocoder_eager_warmup_rows"):
+            if unused := [r for r in getattr(self, name) if r > largest]:
+                raise ValueError(f"{name} {unused}: no vocoder step has more than {largest} rows "
+                                 f"(vocoder_max_batch_size {self.vocoder_max_batch_size}), so none would use them")
         if self.vocoder_fast_lane_code_budget is not None and self.vocoder_batching != "deadline":
             raise ValueError("vocoder_fast_lane_code_budget needs vocoder_batching: deadline")
         if self.vocoder_memory_cap_bytes is not None and not self.vocoder_device.startswith("cuda"):

@@ -45,6 +45,11 @@ PRIMED_CACHE_SIZE = 64  # (voice, seed) primings kept by `StreamingVocoder.open_
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows with bucket_shapes
 
 
+def row_bucket(n: int) -> int:
+    """The smallest of ROW_BUCKETS (then multiples of 64) that holds n rows."""
+    return next((b for b in ROW_BUCKETS if b >= n), -(-n // 64) * 64)
+
+
 def _codes_covering(frames: int) -> int:
     """Codes whose mel frames reach `frames` (ceiling division by the frames per code)."""
     return -(-frames // _F)
@@ -613,9 +618,7 @@ class StreamingVocoder:
     def bucket_rows(self, n: int) -> int:
         """Batch rows a step runs with: n; with `bucket_shapes` the smallest of ROW_BUCKETS (then
         multiples of 64) that holds n, so few shapes are captured and padding stays under a third."""
-        if not self._bucket_shapes:
-            return n
-        return next((b for b in ROW_BUCKETS if b >= n), -(-n // 64) * 64)
+        return row_bucket(n) if self._bucket_shapes else n
 
     def _bucket_codes(self, n: int) -> int:
         """Codes (or code-length of frames) a step runs with: n; with `bucket_shapes` the smallest of

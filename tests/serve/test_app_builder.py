@@ -47,7 +47,7 @@ def test_gpu_config_is_refused_on_a_gpu_less_cluster(name: str) -> None:
 
 @pytest.mark.parametrize(("name", "fp8_scope", "step_tokens", "caps_gib", "eager_rows", "speech_encoder",
                           "captured_rows"), [
-    ("serve-4090.yaml", None, 512, (19.75, 2.25), [4, 8], "none", 2),
+    ("serve-4090.yaml", None, 512, (19.75, 2.25), [], "none", 2),
     ("serve-4090-fp8.yaml", "all", 1024, (15.0, 5.0), [], "full", 8)])
 def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
         name: str, fp8_scope: str | None, step_tokens: int, caps_gib: tuple[float, float],
@@ -155,6 +155,13 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [1], "vocoder_eager_warmup_rows": [4]},
      "vocoder_eager_warmup_rows needs vocoder_graphs_after_warmup: false"),
     ({"vocoder_eager_warmup_rows": [4, 0]}, "vocoder_eager_warmup_rows must all be >= 1"),
+    ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [1, 2], "vocoder_graphs_after_warmup": False,
+      "vocoder_eager_warmup_rows": [4], "vocoder_max_batch_size": 2},
+     "vocoder_eager_warmup_rows [4]: no vocoder step has more than 2 rows"),
+    ({"vocoder_cuda_graphs": True, "vocoder_warmup_rows": [1, 16], "vocoder_max_batch_size": 8},
+     "vocoder_warmup_rows [16]: no vocoder step has more than 8 rows"),
+    ({"vocoder_cuda_graphs": True, "vocoder_bucket_shapes": True, "vocoder_warmup_rows": [1, 8],
+      "vocoder_max_batch_size": 3}, "vocoder_warmup_rows [8]: no vocoder step has more than 4 rows"),
     ({"vocoder_reserved_sessions": -1}, "greater than or equal to 0"),
     ({"vocoder_chunk_schedule_codes": [3, 0]}, "vocoder_chunk_schedule_codes must be non-empty sizes >= 1"),
     ({"vocoder_light_load_schedule_codes": []}, "vocoder_light_load_schedule_codes must be non-empty sizes >= 1"),
