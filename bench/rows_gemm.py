@@ -10,6 +10,17 @@ stages) candidate is first checked against a float32 product on fresh random dat
 1e-2, all finite), then timed per call in a CUDA graph of 16 calls
 over 4 weight copies (L2 holds none of them). `F.linear` (cuBLAS) is timed the same way in the same run as
 the baseline, with the copy rate; `gbps` counts the weight bytes once.
+
+`--chain` (forty-first session; not yet run) asks the question the sweep cannot: does this product beat
+cuBLAS in a step, where each kernel waits for the one before? A CUDA graph of `--layers` layers of the four
+layer products (QKV, o, gate/up, down; a copy of each matrix per layer, so L2 holds none) is timed as
+cuBLAS (`F.linear`), as this kernel without PDL, with PDL, and with PDL plus an L2 prefetch of each
+program's first `--l2-slice` bytes of its weight slice before the PDL wait (-1: the whole slice;
+runtime/kernels/launch.py `l2_prefetch_rows`, as the FP8 GEMV does). Before timing, every product of the
+first layer is checked against a float32 product, and the prefetching variants must give the same bits
+as the plain one. Variants are timed in interleaved rounds (bench/fast_tools.py `time_interleaved`).
+
+    python bench/rows_gemm.py --chain --rows 64,128 --out $OUT/r/rows-gemm-chain-h200.json
 """
 from __future__ import annotations
 
@@ -28,8 +39,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log
-from runtime.kernels.launch import pdl_args, pdl_enter
+from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log, time_interleaved
+from runtime.kernels import pdl_launches
+from runtime.kernels.launch import l2_prefetch_rows, pdl_args, pdl_enter
 
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
             "audio_head": (16384 + 8, 4096)}
@@ -48,7 +60,10 @@ def _rows_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    L2_SLICE: tl.constexpr = 0,
 ):
+    if L2_SLICE != 0:  # the program's [BN, K] weight rows are one contiguous slice: ask L2 before the wait
+        l2_prefetch_rows(w_ptr, tl.program_id(0), N, K, BN, L2_SLICE)
     pdl_enter(USE_PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -66,8 +81,10 @@ def _rows_gemm_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def rows_gemm(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int]) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype; tiles = (BN, BK, warps, stages); M <= 128, K % BK == 0."""
+def rows_gemm(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int], l2_slice: int = 0) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype; tiles = (BN, BK, warps, stages); M <= 128, K % BK == 0.
+    `l2_slice`: bytes of each program's weight slice asked of L2 before the PDL wait (0: none, -1: all)."""
+    assert l2_slice == -1 or (l2_slice >= 0 and l2_slice % 16 == 0), l2_slice
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and x.dtype == w.dtype
     m, k = x.shape
     n = w.shape[0]
@@ -77,9 +94,75 @@ def rows_gemm(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _rows_gemm_kernel[(triton.cdiv(n, bn),)](
         x, w, y, m, n, K=k, BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages, **pdl_args(),
+        num_warps=warps, num_stages=stages, **pdl_args(), **({"L2_SLICE": l2_slice} if l2_slice else {}),
     )
     return y
+
+
+CHAIN = ("qkv", "o", "gate_up", "down")  # one layer's products in step order
+# (BN, BK, warps, stages) per matrix: the sweep's best at 64 and 128 rows (bench/results/rows-gemm-h200/)
+CHAIN_TILES = {
+    64: {"qkv": (64, 128, 4, 5), "o": (32, 128, 4, 5), "gate_up": (64, 64, 4, 4), "down": (32, 128, 4, 5)},
+    128: {"qkv": (64, 128, 8, 4), "o": (32, 128, 8, 5), "gate_up": (256, 64, 8, 4), "down": (32, 128, 8, 5)},
+}
+
+
+def chain_probe(m: int, layers: int, l2_slices: list[int], rounds: int, dev: torch.device) -> dict:
+    """`--chain` at `m` rows (module docstring): per variant the graph's median per layer, its weight bytes'
+    rate and the checks that preceded the timing."""
+    tiles = CHAIN_TILES[m]
+    ws = [{name: torch.randn(*MATRICES[name], device=dev, dtype=torch.bfloat16) * 0.02 for name in CHAIN}
+          for _ in range(layers)]
+    xs = {k: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for k in {MATRICES[n][1] for n in CHAIN}}
+    layer_bytes = sum(MATRICES[n][0] * MATRICES[n][1] * 2 for n in CHAIN)
+    variants: dict[str, tuple[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]]] = {
+        "cublas": ("off", lambda x, w, name: F.linear(x, w)),
+        "triton": ("off", lambda x, w, name: rows_gemm(x, w, tiles[name])),
+        "triton_pdl": ("wait", lambda x, w, name: rows_gemm(x, w, tiles[name])),
+    }
+    for s in l2_slices:
+        variants[f"triton_pdl_l2={s}"] = ("wait", lambda x, w, name, s=s: rows_gemm(x, w, tiles[name], s))
+    row: dict = {"m": m, "layers": layers, "tiles": {n: list(t) for n, t in tiles.items()},
+                 "weight_bytes_per_layer": layer_bytes, "checks": {}, "variants": {}}
+    plain: dict[str, torch.Tensor] = {}
+    for vname, (pdl, run) in variants.items():  # every product of layer 0 checked before anything is timed
+        check: dict = {}
+        with pdl_launches(pdl):
+            for name in CHAIN:
+                x, w = xs[MATRICES[name][1]], ws[0][name]
+                got = run(x, w, name)
+                torch.cuda.synchronize()
+                ref = x.float() @ w.float().t()
+                rel = float((got.float() - ref).norm() / ref.norm())
+                if not (rel < 1e-2 and bool(torch.isfinite(got).all())):
+                    raise RuntimeError(f"{vname} {name} m={m}: relative error {rel} or non-finite values")
+                check[name] = round(rel, 6)
+                if vname == "triton":
+                    plain[name] = got
+                elif vname.startswith("triton") and not torch.equal(got, plain[name]):
+                    raise RuntimeError(f"{vname} {name} m={m}: bits differ from the plain kernel's")
+        row["checks"][vname] = check
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    for vname, (pdl, run) in variants.items():
+        def step(run=run) -> None:
+            for layer in ws:
+                for name in CHAIN:
+                    run(xs[MATRICES[name][1]], layer[name], name)
+        with pdl_launches(pdl):
+            step()  # warm-up (compiles) outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        graphs[vname] = graph
+    timed = time_interleaved({v: g.replay for v, g in graphs.items()}, warmup=3, reps=20, rounds=rounds)
+    for vname, t in timed.items():
+        per_layer_us = t["median_ms"] * 1e3 / layers
+        row["variants"][vname] = {"us_per_layer": round(per_layer_us, 2),
+                                  "gbps": round(layer_bytes / per_layer_us / 1e3, 1),
+                                  "round_us_per_layer": [round(r * 1e3 / layers, 2) for r in t["round_medians_ms"]]}
+    log(f"chain m={m}: " + ", ".join(f"{v} {r['us_per_layer']} us" for v, r in row["variants"].items()))
+    return row
 
 
 def sweep_product(
@@ -127,11 +210,26 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="3,4,5")
     ap.add_argument("--matrices", default=",".join(MATRICES))
+    ap.add_argument("--chain", action="store_true", help="time layer chains of the four products (docstring)")
+    ap.add_argument("--layers", type=int, default=16, help="--chain: layers in the graph")
+    ap.add_argument("--l2-slice", default="2048,16384,-1", help="--chain: prefetch sizes to try (bytes, -1: all)")
+    ap.add_argument("--rounds", type=int, default=6, help="--chain: interleaved timing rounds")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     ints = lambda s: [int(v) for v in s.split(",")]
+    if args.chain:
+        if unknown := set(ints(args.rows)) - set(CHAIN_TILES):
+            ap.error(f"--chain has tiles for {sorted(CHAIN_TILES)} rows only, not {sorted(unknown)}")
+        result: dict = {"bench": "rows_gemm_chain",
+                        "command": shlex.join(["python", "bench/rows_gemm.py", *sys.argv[1:]]),
+                        "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "copy_gbps": round(copy_bandwidth_gbps(dev), 1), "chains": []}
+        for m in ints(args.rows):
+            result["chains"].append(chain_probe(m, args.layers, ints(args.l2_slice), args.rounds, dev))
+            emit(result, Path(args.out) if args.out else None)
+        return
     cands = list(itertools.product(ints(args.bn), ints(args.bk), ints(args.warps), ints(args.stages)))
     result: dict = {"bench": "rows_gemm", "command": shlex.join(["python", "bench/rows_gemm.py", *sys.argv[1:]]),
                     "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,

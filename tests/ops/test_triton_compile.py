@@ -263,6 +263,20 @@ def test_l2_prefetches_are_issued_once_per_program_before_the_pdl_wait() -> None
         assert "cp.async.bulk.prefetch" not in plain
 
 
+def test_the_chain_probes_product_prefetches_its_weight_slice_once_before_the_pdl_wait() -> None:
+    """bench/rows_gemm.py --chain: the 64-128-row product with L2_SLICE asks L2 once for its program's
+    weight slice before `griddepcontrol.wait`, and holds no prefetch without it (a probe for the next GPU
+    run; its timing is not known)."""
+    from bench import rows_gemm
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
+    consts = {"K": 4096, "BM": 64, "BN": 32, "BK": 128, "USE_PDL": True}
+    for size in (2048, -1):
+        (line,) = _prefetches_before_wait(_ptx(rows_gemm._rows_gemm_kernel, sig, consts | {"L2_SLICE": size}, HOPPER))
+        assert re.fullmatch(r"@%pf cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", line)
+    assert "cp.async.bulk.prefetch" not in _ptx(rows_gemm._rows_gemm_kernel, sig, consts, HOPPER)
+
+
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
