@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.fast_tools import copy_bandwidth_gbps, emit, fastest, graph_us_per_call, log, time_interleaved
+from bench.fast_tools import bench_result, emit, fastest, graph_us_per_call, log, time_interleaved
 from runtime.kernels import pdl_launches
 from runtime.kernels.launch import l2_prefetch_rows, pdl_args, pdl_enter
 
@@ -222,18 +221,13 @@ def main() -> None:
     if args.chain:
         if unknown := set(ints(args.rows)) - set(CHAIN_TILES):
             ap.error(f"--chain has tiles for {sorted(CHAIN_TILES)} rows only, not {sorted(unknown)}")
-        result: dict = {"bench": "rows_gemm_chain",
-                        "command": shlex.join(["python", "bench/rows_gemm.py", *sys.argv[1:]]),
-                        "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "copy_gbps": round(copy_bandwidth_gbps(dev), 1), "chains": []}
+        result = bench_result("rows_gemm", sys.argv[1:], dev, chains=[])
         for m in ints(args.rows):
             result["chains"].append(chain_probe(m, args.layers, ints(args.l2_slice), args.rounds, dev))
             emit(result, Path(args.out) if args.out else None)
         return
     cands = list(itertools.product(ints(args.bn), ints(args.bk), ints(args.warps), ints(args.stages)))
-    result: dict = {"bench": "rows_gemm", "command": shlex.join(["python", "bench/rows_gemm.py", *sys.argv[1:]]),
-                    "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "copy_gbps": round(copy_bandwidth_gbps(dev), 1), "rows": []}
+    result = bench_result("rows_gemm", sys.argv[1:], dev, rows=[])
     log(f"copy {result['copy_gbps']} GB/s; {len(cands)} candidates")
     for name in args.matrices.split(","):
         n, k = MATRICES[name]
