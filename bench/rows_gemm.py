@@ -19,6 +19,12 @@ program's first `--l2-slice` bytes of its weight slice before the PDL wait (-1: 
 runtime/kernels/launch.py `l2_prefetch_rows`, as the FP8 GEMV does). Before timing, every product of the
 first layer is checked against a float32 product, and the prefetching variants must give the same bits
 as the plain one. Variants are timed in interleaved rounds (bench/fast_tools.py `time_interleaved`).
+Run 1 (forty-second session, bench/results/rows-gemm-chain-h200/): no variant beat cuBLAS.
+
+`--side-l2` (forty-second session) gives cuBLAS the prefetch it cannot issue itself: while product i runs,
+a graph branch on a second stream (forked after product i-1) asks L2 for the first N bytes of product
+i+1's weights (`l2_prefetch`, a kernel of one-warp programs, one 1 MiB bulk prefetch each). A prefetch
+moves no bits (checked); what it might win is the bandwidth left idle at each kernel's tail and ramp.
 
     python bench/rows_gemm.py --chain --rows 64,128 --out $OUT/r/rows-gemm-chain-h200.json
 """
@@ -40,7 +46,7 @@ import triton.language as tl
 
 from bench.fast_tools import bench_result, emit, fastest, graph_us_per_call, log, time_interleaved
 from runtime.kernels import pdl_launches
-from runtime.kernels.launch import l2_prefetch_rows, pdl_args, pdl_enter
+from runtime.kernels.launch import l2_prefetch_once, l2_prefetch_rows, pdl_args, pdl_enter
 
 MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
             "audio_head": (16384 + 8, 4096)}
@@ -80,6 +86,22 @@ def _rows_gemm_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr):
+    """Program p asks L2 for bytes [p * CHUNK, (p + 1) * CHUNK) of `ptr` (a byte pointer) below `nbytes`."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    l2_prefetch_once(ptr + start, tl.minimum(nbytes - start, CHUNK).to(tl.int32))
+
+
+def l2_prefetch(w: torch.Tensor, nbytes: int, chunk: int = 1 << 20) -> None:
+    """Ask L2 for the first `nbytes` of contiguous `w` (-1 or more than it holds: all), one bulk prefetch per
+    `chunk` bytes, each from its own program (a kernel of a few tiny programs: it fits beside a running GEMM)."""
+    total = w.numel() * w.element_size()
+    nbytes = total if nbytes < 0 else min(nbytes, total)
+    assert w.is_contiguous() and nbytes % 16 == 0 and chunk % 16 == 0, (nbytes, chunk)
+    _l2_prefetch_kernel[(triton.cdiv(nbytes, chunk),)](w.view(-1).view(torch.uint8), nbytes, CHUNK=chunk, num_warps=1)
+
+
 def rows_gemm(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int], l2_slice: int = 0) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype; tiles = (BN, BK, warps, stages); M <= 128, K % BK == 0.
     `l2_slice`: bytes of each program's weight slice asked of L2 before the PDL wait (0: none, -1: all)."""
@@ -106,7 +128,7 @@ CHAIN_TILES = {
 }
 
 
-def chain_probe(m: int, layers: int, l2_slices: list[int], rounds: int, dev: torch.device) -> dict:
+def chain_probe(m: int, layers: int, l2_slices: list[int], side_l2: list[int], rounds: int, dev: torch.device) -> dict:
     """`--chain` at `m` rows (module docstring): per variant the graph's median per layer, its weight bytes'
     rate and the checks that preceded the timing."""
     tiles = CHAIN_TILES[m]
@@ -121,6 +143,7 @@ def chain_probe(m: int, layers: int, l2_slices: list[int], rounds: int, dev: tor
     }
     for s in l2_slices:
         variants[f"triton_pdl_l2={s}"] = ("wait", lambda x, w, name, s=s: rows_gemm(x, w, tiles[name], s))
+    side_bytes = {f"cublas_side_l2={b}": b for b in side_l2}  # cuBLAS, next product's weights prefetched beside
     row: dict = {"m": m, "layers": layers, "tiles": {n: list(t) for n, t in tiles.items()},
                  "weight_bytes_per_layer": layer_bytes, "checks": {}, "variants": {}}
     plain: dict[str, torch.Tensor] = {}
@@ -140,7 +163,16 @@ def chain_probe(m: int, layers: int, l2_slices: list[int], rounds: int, dev: tor
                     plain[name] = got
                 elif vname.startswith("triton") and not torch.equal(got, plain[name]):
                     raise RuntimeError(f"{vname} {name} m={m}: bits differ from the plain kernel's")
+                elif vname == "cublas":
+                    plain[f"cublas/{name}"] = got
         row["checks"][vname] = check
+    side = torch.cuda.Stream(dev)
+    for vname, nbytes in side_bytes.items():  # a prefetch changes no bits: same output as plain cuBLAS
+        for name in CHAIN:
+            l2_prefetch(ws[0][name], nbytes)
+            if not torch.equal(F.linear(xs[MATRICES[name][1]], ws[0][name]), plain[f"cublas/{name}"]):
+                raise RuntimeError(f"{vname} {name} m={m}: bits differ from cuBLAS's")
+        row["checks"][vname] = "bits equal to cublas"
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     for vname, (pdl, run) in variants.items():
         def step(run=run) -> None:
@@ -153,6 +185,25 @@ def chain_probe(m: int, layers: int, l2_slices: list[int], rounds: int, dev: tor
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
+        graphs[vname] = graph
+    for vname, nbytes in side_bytes.items():
+        def side_step(nbytes=nbytes) -> None:
+            """Before product i starts, a branch on `side` (forked after product i-1) prefetches product
+            i+1's first `nbytes` of weights while product i runs; joined once at the end."""
+            order = [(xs[MATRICES[name][1]], layer[name]) for layer in ws for name in CHAIN]
+            main = torch.cuda.current_stream(dev)
+            for i, (x, w) in enumerate(order):
+                if i + 1 < len(order):
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        l2_prefetch(order[i + 1][1], nbytes)
+                F.linear(x, w)
+            main.wait_stream(side)
+        side_step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            side_step()
         graphs[vname] = graph
     timed = time_interleaved({v: g.replay for v, g in graphs.items()}, warmup=3, reps=20, rounds=rounds)
     for vname, t in timed.items():
@@ -212,6 +263,8 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="time layer chains of the four products (docstring)")
     ap.add_argument("--layers", type=int, default=16, help="--chain: layers in the graph")
     ap.add_argument("--l2-slice", default="2048,16384,-1", help="--chain: prefetch sizes to try (bytes, -1: all)")
+    ap.add_argument("--side-l2", default="4194304,16777216,33554432",
+                    help="--chain: cuBLAS with the next product's first N bytes prefetched beside (bytes, -1: all)")
     ap.add_argument("--rounds", type=int, default=6, help="--chain: interleaved timing rounds")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -223,7 +276,8 @@ def main() -> None:
             ap.error(f"--chain has tiles for {sorted(CHAIN_TILES)} rows only, not {sorted(unknown)}")
         result = bench_result("rows_gemm", sys.argv[1:], dev, chains=[])
         for m in ints(args.rows):
-            result["chains"].append(chain_probe(m, args.layers, ints(args.l2_slice), args.rounds, dev))
+            result["chains"].append(chain_probe(m, args.layers, ints(args.l2_slice), ints(args.side_l2) if args.side_l2 else [],
+                                                  args.rounds, dev))
             emit(result, Path(args.out) if args.out else None)
         return
     cands = list(itertools.product(ints(args.bn), ints(args.bk), ints(args.warps), ints(args.stages)))

@@ -275,6 +275,11 @@ def test_the_chain_probes_product_prefetches_its_weight_slice_once_before_the_pd
         (line,) = _prefetches_before_wait(_ptx(rows_gemm._rows_gemm_kernel, sig, consts | {"L2_SLICE": size}, HOPPER))
         assert re.fullmatch(r"@%pf cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", line)
     assert "cp.async.bulk.prefetch" not in _ptx(rows_gemm._rows_gemm_kernel, sig, consts, HOPPER)
+    # the side-branch prefetcher: one bulk prefetch of at most CHUNK bytes per program, no PDL wait
+    side = _ptx(rows_gemm._l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i32"}, {"CHUNK": 1 << 20}, HOPPER)
+    (line,) = [line.strip() for line in side.splitlines() if "cp.async.bulk.prefetch.L2.global" in line]
+    assert re.fullmatch(r"@%pf cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", line)
+    assert re.search(r"min\.s(32|64)\s+%r(d)?\d+, %r(d)?\d+, 1048576;", side) and "griddepcontrol" not in side
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
