@@ -43,6 +43,20 @@ def build_application(app: dict[str, Any]) -> Any:
 DIRECT_PORTS = 64  # ports for ingress replicas' own HTTP servers (direct ingress), from --direct-port on
 
 
+def optimized_env(direct_port: int, drain_s: float) -> dict[str, str]:
+    """Environment of a throughput-optimized Ray (read by every Ray process at import). Ray 2.60 keeps a
+    direct-ingress replica draining for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (default 30 s, for
+    an external load balancer to deregister it) on every stop, and raises the ingress deployment's
+    graceful_shutdown_timeout_s to that plus 5 s, so `serve.shutdown()` gave up after its own 30 s and every
+    such run of bench/h200_e2e.sh ended in a SIGKILL. On loopback no balancer is there: `drain_s`."""
+    if drain_s < 0:
+        raise ValueError(f"drain_s must be >= 0, not {drain_s}")
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(direct_port + DIRECT_PORTS),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(drain_s)}
+
+
 def direct_ingress_url(first_port: int, timeout_s: float = 60.0) -> str:
     """The loopback URL of the ingress replica's own HTTP server (direct ingress): the first port from
     `first_port` on whose /health answers 200. Ray gives replicas the lowest free port of the range."""
@@ -85,14 +99,15 @@ def main(argv: list[str] | None = None) -> None:
                              "replica serves HTTP itself from --direct-port on (the ready file's direct_url)")
     parser.add_argument("--direct-port", type=int, default=30000,
                         help="first port of the ingress replicas' own HTTP servers (throughput-optimized)")
+    parser.add_argument("--drain-s", type=float, default=1.0,
+                        help="throughput-optimized: seconds an ingress replica drains when stopped (Ray's "
+                             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 by default; no load balancer here)")
     args = parser.parse_args(argv)
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         raise SystemExit("set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 so that Ray binds to 127.0.0.1")
     optimized = args.throughput_optimized or os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
     if optimized:  # read by every Ray process at import: set before Ray starts them
-        os.environ.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-                           "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(args.direct_port),
-                           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(args.direct_port + DIRECT_PORTS)})
+        os.environ.update(optimized_env(args.direct_port, args.drain_s))
 
     import ray
     from ray import serve
