@@ -27,6 +27,11 @@ a graph branch on a second stream (forked after product i-1) asks L2 for the fir
 i+1's weights (`l2_prefetch`, a kernel of one-warp programs, one 1 MiB bulk prefetch each). A prefetch
 moves no bits (checked); what it might win is the bandwidth left idle at each kernel's tail and ramp.
 
+`--chain-stages N` (forty-second session) gives every product N pipeline stages: with the sweep's 4-5 a program
+fills an SM's shared memory, so under PDL the next product's programs find no room to start, issue their
+prefetch and wait beside it, the structure `bench/boundary_ceiling.py` found fastest. Measured: 3 stages
+cost 24% at 64 rows and PDL then made the chain 8% slower; 2 stages cost 95% (the results' README).
+
     python bench/rows_gemm.py --chain --rows 64,128 --out $OUT/r/rows-gemm-chain-h200.json
 """
 from __future__ import annotations
@@ -129,10 +134,14 @@ CHAIN_TILES = {
 }
 
 
-def chain_probe(m: int, layers: int, l2_slices: list[int], side_l2: list[int], rounds: int, dev: torch.device) -> dict:
+def chain_probe(
+    m: int, layers: int, l2_slices: list[int], side_l2: list[int], rounds: int, dev: torch.device,
+    stages: int | None = None,
+) -> dict:
     """`--chain` at `m` rows (module docstring): per variant the graph's median per layer, its weight bytes'
-    rate and the checks that preceded the timing."""
-    tiles = CHAIN_TILES[m]
+    rate and the checks that preceded the timing. `stages`: every product's pipeline depth instead of the
+    sweep's (fewer stages, less shared memory: room on the SMs for the next kernel's programs under PDL)."""
+    tiles = {n: t if stages is None else (*t[:3], stages) for n, t in CHAIN_TILES[m].items()}
     ws = [{name: torch.randn(*MATRICES[name], device=dev, dtype=torch.bfloat16) * 0.02 for name in CHAIN}
           for _ in range(layers)]
     xs = {k: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for k in {MATRICES[n][1] for n in CHAIN}}
@@ -266,6 +275,8 @@ def main() -> None:
     ap.add_argument("--l2-slice", default="2048,16384,-1", help="--chain: prefetch sizes to try (bytes, -1: all)")
     ap.add_argument("--side-l2", default="4194304,16777216,33554432",
                     help="--chain: cuBLAS with the next product's first N bytes prefetched beside (bytes, -1: all)")
+    ap.add_argument("--chain-stages", type=int, default=None,
+                    help="--chain: every product's pipeline stages instead of the sweep's (room for PDL's next kernel)")
     ap.add_argument("--rounds", type=int, default=6, help="--chain: interleaved timing rounds")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -278,7 +289,7 @@ def main() -> None:
         result = bench_result("rows_gemm", sys.argv[1:], dev, chains=[])
         for m in ints(args.rows):
             result["chains"].append(chain_probe(m, args.layers, ints(args.l2_slice), ints(args.side_l2) if args.side_l2 else [],
-                                                  args.rounds, dev))
+                                                  args.rounds, dev, args.chain_stages))
             emit(result, Path(args.out) if args.out else None)
         return
     cands = list(itertools.product(ints(args.bn), ints(args.bk), ints(args.warps), ints(args.stages)))
