@@ -156,7 +156,8 @@ def chain_probe(
     side_bytes = {f"cublas_side_l2={b}": b for b in side_l2}  # cuBLAS, next product's weights prefetched beside
     row: dict = {"m": m, "layers": layers, "tiles": {n: list(t) for n, t in tiles.items()},
                  "weight_bytes_per_layer": layer_bytes, "checks": {}, "variants": {}}
-    plain: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}  # layer 0's outputs of the plain Triton product, by matrix
+    cublas_out: dict[str, torch.Tensor] = {}  # and of cuBLAS
     for vname, (pdl, run) in variants.items():  # every product of layer 0 checked before anything is timed
         check: dict = {}
         with pdl_launches(pdl):
@@ -169,51 +170,49 @@ def chain_probe(
                 if not (rel < 1e-2 and bool(torch.isfinite(got).all())):
                     raise RuntimeError(f"{vname} {name} m={m}: relative error {rel} or non-finite values")
                 check[name] = round(rel, 6)
-                if vname == "triton":
+                if vname == "cublas":
+                    cublas_out[name] = got
+                elif vname == "triton":
                     plain[name] = got
-                elif vname.startswith("triton") and not torch.equal(got, plain[name]):
+                elif not torch.equal(got, plain[name]):
                     raise RuntimeError(f"{vname} {name} m={m}: bits differ from the plain kernel's")
-                elif vname == "cublas":
-                    plain[f"cublas/{name}"] = got
         row["checks"][vname] = check
-    side = torch.cuda.Stream(dev)
     for vname, nbytes in side_bytes.items():  # a prefetch changes no bits: same output as plain cuBLAS
         for name in CHAIN:
             l2_prefetch(ws[0][name], nbytes)
-            if not torch.equal(F.linear(xs[MATRICES[name][1]], ws[0][name]), plain[f"cublas/{name}"]):
+            if not torch.equal(F.linear(xs[MATRICES[name][1]], ws[0][name]), cublas_out[name]):
                 raise RuntimeError(f"{vname} {name} m={m}: bits differ from cuBLAS's")
         row["checks"][vname] = "bits equal to cublas"
+
+    order = [(xs[MATRICES[name][1]], layer[name], name) for layer in ws for name in CHAIN]  # step order
+    side = torch.cuda.Stream(dev)
+
+    def step(run: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]) -> None:
+        for x, w, name in order:
+            run(x, w, name)
+
+    def side_step(nbytes: int) -> None:
+        """Before product i starts, a branch on `side` (forked after product i-1) prefetches product i+1's
+        first `nbytes` of weights while product i runs; joined once at the end."""
+        main = torch.cuda.current_stream(dev)
+        for i, (x, w, _) in enumerate(order):
+            if i + 1 < len(order):
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    l2_prefetch(order[i + 1][1], nbytes)
+            F.linear(x, w)
+        main.wait_stream(side)
+
+    steps = {v: (pdl, functools.partial(step, run)) for v, (pdl, run) in variants.items()}
+    steps |= {v: ("off", functools.partial(side_step, nbytes)) for v, nbytes in side_bytes.items()}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
-    for vname, (pdl, run) in variants.items():
-        def step(run=run) -> None:
-            for layer in ws:
-                for name in CHAIN:
-                    run(xs[MATRICES[name][1]], layer[name], name)
+    for vname, (pdl, fn) in steps.items():
         with pdl_launches(pdl):
-            step()  # warm-up (compiles) outside the capture
+            fn()  # warm-up (compiles) outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                step()
-        graphs[vname] = graph
-    for vname, nbytes in side_bytes.items():
-        def side_step(nbytes=nbytes) -> None:
-            """Before product i starts, a branch on `side` (forked after product i-1) prefetches product
-            i+1's first `nbytes` of weights while product i runs; joined once at the end."""
-            order = [(xs[MATRICES[name][1]], layer[name]) for layer in ws for name in CHAIN]
-            main = torch.cuda.current_stream(dev)
-            for i, (x, w) in enumerate(order):
-                if i + 1 < len(order):
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        l2_prefetch(order[i + 1][1], nbytes)
-                F.linear(x, w)
-            main.wait_stream(side)
-        side_step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            side_step()
+                fn()
         graphs[vname] = graph
     timed = time_interleaved({v: g.replay for v, g in graphs.items()}, warmup=3, reps=20, rounds=rounds)
     for vname, t in timed.items():
