@@ -11,7 +11,7 @@ stages) candidate is first checked against a float32 product on fresh random dat
 over 4 weight copies (L2 holds none of them). `F.linear` (cuBLAS) is timed the same way in the same run as
 the baseline, with the copy rate; `gbps` counts the weight bytes once.
 
-`--chain` (forty-first session; not yet run) asks the question the sweep cannot: does this product beat
+`--chain` (forty-first session) asks the question the sweep cannot: does this product beat
 cuBLAS in a step, where each kernel waits for the one before? A CUDA graph of `--layers` layers of the four
 layer products (QKV, o, gate/up, down; a copy of each matrix per layer, so L2 holds none) is timed as
 cuBLAS (`F.linear`), as this kernel without PDL, with PDL, and with PDL plus an L2 prefetch of each
@@ -33,6 +33,9 @@ prefetch and wait beside it, the structure `bench/boundary_ceiling.py` found fas
 cost 24% at 64 rows and PDL then made the chain 8% slower; 2 stages cost 95% (the results' README).
 
     python bench/rows_gemm.py --chain --rows 64,128 --out $OUT/r/rows-gemm-chain-h200.json
+
+`chain_probe` also takes other products as extra variants: bench/tma_rows.py (forty-third session) times its
+TMA product that way.
 """
 from __future__ import annotations
 
@@ -134,32 +137,38 @@ CHAIN_TILES = {
 }
 
 
+ChainRun = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (x, w, matrix name) -> x w^T
+
+
 def chain_probe(
     m: int, layers: int, l2_slices: list[int], side_l2: list[int], rounds: int, dev: torch.device,
-    stages: int | None = None,
+    stages: int | None = None, extra: dict[str, tuple[str, ChainRun, str | None]] | None = None,
+    triton_variants: bool = True,
 ) -> dict:
     """`--chain` at `m` rows (module docstring): per variant the graph's median per layer, its weight bytes'
     rate and the checks that preceded the timing. `stages`: every product's pipeline depth instead of the
-    sweep's (fewer stages, less shared memory: room on the SMs for the next kernel's programs under PDL)."""
+    sweep's (fewer stages, less shared memory: room on the SMs for the next kernel's programs under PDL).
+    `extra`: more variants, name -> (PDL mode, run, the variant whose bits it must give or None);
+    `triton_variants`: time this file's Triton product too (False: cuBLAS and `extra` only)."""
     tiles = {n: t if stages is None else (*t[:3], stages) for n, t in CHAIN_TILES[m].items()}
     ws = [{name: torch.randn(*MATRICES[name], device=dev, dtype=torch.bfloat16) * 0.02 for name in CHAIN}
           for _ in range(layers)]
     xs = {k: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for k in {MATRICES[n][1] for n in CHAIN}}
     layer_bytes = sum(MATRICES[n][0] * MATRICES[n][1] * 2 for n in CHAIN)
-    variants: dict[str, tuple[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]]] = {
-        "cublas": ("off", lambda x, w, name: F.linear(x, w)),
-        "triton": ("off", lambda x, w, name: rows_gemm(x, w, tiles[name])),
-        "triton_pdl": ("wait", lambda x, w, name: rows_gemm(x, w, tiles[name])),
-    }
-    for s in l2_slices:
-        variants[f"triton_pdl_l2={s}"] = ("wait", lambda x, w, name, s=s: rows_gemm(x, w, tiles[name], s))
+    variants: dict[str, tuple[str, ChainRun, str | None]] = {"cublas": ("off", lambda x, w, name: F.linear(x, w), None)}
+    if triton_variants:
+        variants["triton"] = ("off", lambda x, w, name: rows_gemm(x, w, tiles[name]), None)
+        variants["triton_pdl"] = ("wait", lambda x, w, name: rows_gemm(x, w, tiles[name]), "triton")
+        for s in l2_slices:
+            variants[f"triton_pdl_l2={s}"] = ("wait", lambda x, w, name, s=s: rows_gemm(x, w, tiles[name], s), "triton")
+    variants |= extra or {}
     side_bytes = {f"cublas_side_l2={b}": b for b in side_l2}  # cuBLAS, next product's weights prefetched beside
     row: dict = {"m": m, "layers": layers, "tiles": {n: list(t) for n, t in tiles.items()},
                  "weight_bytes_per_layer": layer_bytes, "checks": {}, "variants": {}}
-    plain: dict[str, torch.Tensor] = {}  # layer 0's outputs of the plain Triton product, by matrix
-    cublas_out: dict[str, torch.Tensor] = {}  # and of cuBLAS
-    for vname, (pdl, run) in variants.items():  # every product of layer 0 checked before anything is timed
+    outs: dict[str, dict[str, torch.Tensor]] = {}  # layer 0's outputs by variant and matrix
+    for vname, (pdl, run, same_as) in variants.items():  # every product of layer 0 checked before any timing
         check: dict = {}
+        outs[vname] = {}
         with pdl_launches(pdl):
             for name in CHAIN:
                 x, w = xs[MATRICES[name][1]], ws[0][name]
@@ -170,13 +179,11 @@ def chain_probe(
                 if not (rel < 1e-2 and bool(torch.isfinite(got).all())):
                     raise RuntimeError(f"{vname} {name} m={m}: relative error {rel} or non-finite values")
                 check[name] = round(rel, 6)
-                if vname == "cublas":
-                    cublas_out[name] = got
-                elif vname == "triton":
-                    plain[name] = got
-                elif not torch.equal(got, plain[name]):
-                    raise RuntimeError(f"{vname} {name} m={m}: bits differ from the plain kernel's")
+                outs[vname][name] = got.clone()
+                if same_as is not None and not torch.equal(got, outs[same_as][name]):
+                    raise RuntimeError(f"{vname} {name} m={m}: bits differ from {same_as}'s")
         row["checks"][vname] = check
+    cublas_out = outs["cublas"]
     for vname, nbytes in side_bytes.items():  # a prefetch changes no bits: same output as plain cuBLAS
         for name in CHAIN:
             l2_prefetch(ws[0][name], nbytes)
@@ -203,7 +210,7 @@ def chain_probe(
             F.linear(x, w)
         main.wait_stream(side)
 
-    steps = {v: (pdl, functools.partial(step, run)) for v, (pdl, run) in variants.items()}
+    steps = {v: (pdl, functools.partial(step, run)) for v, (pdl, run, _) in variants.items()}
     steps |= {v: ("off", functools.partial(side_step, nbytes)) for v, nbytes in side_bytes.items()}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     for vname, (pdl, fn) in steps.items():

@@ -282,6 +282,34 @@ def test_the_chain_probes_product_prefetches_its_weight_slice_once_before_the_pd
     assert re.search(r"min\.s(32|64)\s+%r(d)?\d+, %r(d)?\d+, 1048576;", side) and "griddepcontrol" not in side
 
 
+def test_the_tma_probe_asks_for_its_weight_tiles_before_the_pdl_wait_only_when_told() -> None:
+    """bench/tma_rows.py (a Gluon kernel): with EARLY_W the first STAGES weight tiles' TMA copies come before
+    `griddepcontrol.wait` and the activation tiles' after it; without, every copy comes after the wait; without
+    PDL there is no wait. Every stage is one weight and one activation copy on wgmma."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench import tma_rows
+
+    def ptx(early: bool, pdl: bool, stages: int = 4) -> str:
+        desc = {name: f"tensordesc<bf16[{rows}, 64],{gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16)!r}>"
+                for name, rows in (("w_desc", 128), ("x_desc", 64))}
+        consts = {"K_TILES": 16, "UNITS_PER": 2, "STAGES": stages, "SPLIT": 1, "USE_PDL": pdl, "EARLY_W": early,
+                  "num_warps": 4}
+        sig = desc | {"y_ptr": "*bf16", "M": "i32", "N": "i32"} | {name: "constexpr" for name in consts}
+        src = GluonASTSource(fn=tma_rows._tma_rows_kernel, signature=sig, constexprs=consts)
+        return triton.compile(src, target=HOPPER, options={"num_warps": 4}).asm["ptx"]
+
+    for early in (True, False):
+        text = ptx(early, True)
+        lines = [line.strip() for line in text.splitlines()]
+        wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+        copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.2d" in line]
+        assert sum(i < wait for i in copies) == (4 if early else 0)
+        assert "wgmma.mma_async" in text
+    assert "griddepcontrol" not in ptx(True, False)
+
+
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
