@@ -16,17 +16,23 @@ check before it holds (the script exits 1 with the JSON written):
 5. decode-step times of the serving default `FastForward` over a bf16 cache and an FP8 cache quantized from
    it (same values up to the quantization), whole and audio-only steps, for each batch x context of
    `--points`, timed in interleaved rounds (`--rounds` of `--reps` replays); the KV bytes each step reads
-   and the fraction of the copy rate reached by weights + KV.
+   and the fraction of the copy rate reached by weights + KV. `--ab-option NAME` adds the FP8 cache's steps
+   captured with runtime.kernels.paged_attention OPTIONS[NAME] off (e.g. `fp8_mid`, the forty-third
+   session's launches), and how far their audio logits are from the FP8 steps'.
+The attention sweep (before step 3; `--sweep-only` stops after it) times the kernel alone per launch, and
+with `--sweep-parts` per partition count too (bench/results/kv-fp8-split-h200/).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import math
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -69,8 +75,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--greedy-steps", type=int, default=24)
     p.add_argument("--sweep-points", default="1x512,64x512,128x512,64x2048")
     p.add_argument("--sweep-only", action="store_true", help="stop after the attention kernel sweep")
+    p.add_argument("--sweep-parts", default="auto",
+                   help="key partitions the sweep tries per point (comma list; auto: decode_num_parts's choice)")
+    p.add_argument("--sweep-launches", default="",
+                   help="more launches for the sweep, key tile:warps:stages each, comma-separated (e.g. 16:1:2)")
+    p.add_argument("--ab-option", default="",
+                   help="also time the FP8 cache's steps captured with this paged_attention OPTIONS switch off "
+                        "(variant 'fp8:NAME=off'; e.g. fp8_mid)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def option_off(name: str | None) -> Iterator[None]:
+    """runtime.kernels.paged_attention OPTIONS[name] set False inside the block (None: nothing changes)."""
+    from runtime.kernels import paged_attention as pa
+
+    if name is None:
+        yield
+        return
+    if name not in pa.OPTIONS:
+        raise ValueError(f"no paged_attention option {name!r}")
+    before = pa.OPTIONS[name]
+    pa.OPTIONS[name] = False
+    try:
+        yield
+    finally:
+        pa.OPTIONS[name] = before
 
 
 def fill_quantized(src: KVCache, dst: KVCache) -> None:
@@ -127,14 +158,16 @@ def attention_sweep(device: torch.device, args: argparse.Namespace) -> list[dict
     out = []
     for point in args.sweep_points.split(","):
         b, ctx = (int(x) for x in point.split("x"))
-        row = _sweep_point(device, gen, b, ctx)
+        extra = [tuple(int(x) for x in item.split(":")) for item in args.sweep_launches.split(",") if item]
+        row = _sweep_point(device, gen, b, ctx, args.sweep_parts.split(","), SWEEP_LAUNCHES + extra)
         log(f"sweep {point}: " + ", ".join(f"{k} {v}" for k, v in row.items() if isinstance(v, float)))
         out.append(row)
         torch.cuda.empty_cache()
     return out
 
 
-def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int) -> dict:
+def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int, parts_list: list[str],
+                 launches: list[tuple | None]) -> dict:
     from bench.fast_tools import graph_us_per_call
     from runtime.fast_ops import TorchOps, rope_tables
     from runtime.kernels import paged_attention as pa
@@ -150,41 +183,49 @@ def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int) -
     pos = seq_lens.long() - 1
     slots = tables.long()[:, -1] * BLOCK_SIZE + pos % BLOCK_SIZE
     qkv = torch.randn(b, (heads + 2 * kv) * dim, device=device, generator=gen).to(torch.bfloat16)
-    q = qkv[:, : heads * dim].view(b, heads, dim)
+    q = qkv[:, : heads * dim].reshape(b, heads, dim).contiguous()  # the unsplit kernel's q rows
     norm = torch.ones(dim, device=device, dtype=torch.bfloat16)
     rope = (qkv, norm, norm, *rope_tables(8192, dim, 1e6, torch.bfloat16, device), pos, slots)
-    parts = pa.decode_num_parts(b, kv, width * BLOCK_SIZE)
-    fused = parts == 1
-    row: dict = {"batch": b, "context_len": ctx, "parts": parts, "fused_rope": fused,
+    auto_parts = pa.decode_num_parts(b, kv, width * BLOCK_SIZE)
+    row: dict = {"batch": b, "context_len": ctx, "parts": auto_parts, "fused_rope": auto_parts == 1,
                  "kv_bytes_bf16": 2 * b * (ctx + 1) * kv * dim * 2}
 
-    def call(i: int, quant: bool, launch: tuple | None) -> torch.Tensor:
+    def call(i: int, quant: bool, launch: tuple | None, parts: int, fused: bool) -> torch.Tensor:
         kw = {} if launch is None else dict(zip(("block_n", "num_warps", "num_stages"), launch, strict=True))
         k, v, sc = fp8[i] if quant else (k16[i], v16[i], {})
         if fused:
-            return pa.paged_decode_attention_rope(*rope, k, v, tables, seq_lens, 1, heads, 1e-6, **sc, **kw)
+            return pa.paged_decode_attention_rope(*rope, k, v, tables, seq_lens, parts, heads, 1e-6, **sc, **kw)
         return pa.paged_decode_attention(q, k, v, tables, seq_lens, parts, **sc, **kw)
 
     k8, v8, sc = fp8[0]
-    want = {}
-    for quant, (k, v, scales) in ((False, (k16[0], v16[0], {})), (True, (k8, v8, sc))):
-        if fused:
-            want[quant] = TorchOps.decode_attention_rope(*rope, k.clone(), v.clone(), tables, seq_lens, 1, heads, 1e-6,
-                                                         **{name: t.clone() for name, t in scales.items()})
-        else:
-            want[quant] = TorchOps.decode_attention(q, k, v, tables, seq_lens, 1, **scales)
-    for quant in (False, True):
-        for launch in SWEEP_LAUNCHES:
-            key = f"{'fp8' if quant else 'bf16'}/{launch}"
-            try:
-                d = _diff(call(0, quant, launch), want[quant])
-                if not (d["rel_l2"] < 2e-2 and d["finite"]):
-                    row[key] = {"wrong": d}
-                    continue
-                row[key] = round(graph_us_per_call([functools.partial(call, i, quant, launch)
-                                                    for i in range(layers)]), 2)
-            except Exception as exc:  # noqa: BLE001 - reported in the JSON
-                row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    want: dict[tuple[bool, bool], torch.Tensor] = {}
+    for parts_s in parts_list:
+        parts = auto_parts if parts_s == "auto" else int(parts_s)
+        # the unsplit grid fuses the q/k RoPE and the store, as served (so does a split one given explicitly:
+        # the kernel takes any partition count; the step fuses up to FUSED_ROPE_MAX_PARTS)
+        fused = parts == 1 or parts_s != "auto"
+        tag = "" if parts_s == "auto" else f"p{parts}/"
+        for quant, (k, v, scales) in ((False, (k16[0], v16[0], {})), (True, (k8, v8, sc))):
+            if (quant, fused) in want:
+                continue
+            if fused:
+                want[quant, fused] = TorchOps.decode_attention_rope(
+                    *rope, k.clone(), v.clone(), tables, seq_lens, 1, heads, 1e-6,
+                    **{name: t.clone() for name, t in scales.items()})
+            else:
+                want[quant, fused] = TorchOps.decode_attention(q, k, v, tables, seq_lens, 1, **scales)
+        for quant in (False, True):
+            for launch in launches:
+                key = f"{'fp8' if quant else 'bf16'}/{tag}{launch}"
+                try:
+                    d = _diff(call(0, quant, launch, parts, fused), want[quant, fused])
+                    if not (d["rel_l2"] < 2e-2 and d["finite"]):
+                        row[key] = {"wrong": d}
+                        continue
+                    row[key] = round(graph_us_per_call([functools.partial(call, i, quant, launch, parts, fused)
+                                                        for i in range(layers)]), 2)
+                except Exception as exc:  # noqa: BLE001 - reported in the JSON
+                    row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     return row
 
 
@@ -270,13 +311,21 @@ def main(argv: list[str]) -> int:
         run_args = (tok, aud, pos, attn.slot_mapping, torch.tensor(tables, dtype=torch.int32, device=device),
                     torch.full((b,), ctx + 1, dtype=torch.int32, device=device))
         fns, logits, runners = {}, {}, {}  # the runners own the graphs' static inputs: keep them alive
-        for name, cache in caches.items():
+        variants = [(name, cache, None) for name, cache in caches.items()]
+        if args.ab_option:
+            variants.append((f"fp8:{args.ab_option}=off", caches["fp8"], args.ab_option))
+        for name, cache, off in variants:
             r = runners[name] = DecodeGraphRunner(fast, cache, max_model_len=ctx + 32, buckets=[b])
-            r.capture()
+            with option_off(off):  # the launch choices are made while the graphs are captured
+                r.capture()
             logits[name] = tuple(x.clone() for x in r.run(*run_args))
             fns[name], fns[f"{name}:audio"] = r.graphs[b].replay, r.audio_graphs[b].replay
+        if args.ab_option:
+            entry_ab = _diff(logits[f"fp8:{args.ab_option}=off"][1], logits["fp8"][1])
         entry: dict = {"batch": b, "context_len": ctx, "fp8_vs_bf16": logit_compare(logits["fp8"], logits["bf16"]),
                        "finite": all(bool(torch.isfinite(x).all()) for v in logits.values() for x in v)}
+        if args.ab_option:
+            entry["ab_audio_logits_vs_fp8"] = entry_ab
         if not entry["finite"]:
             return stop(f"non-finite logits at {b} x {ctx}")
         times = time_interleaved(fns, 3, args.reps, args.rounds)

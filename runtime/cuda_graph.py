@@ -117,7 +117,7 @@ class DecodeGraphRunner:
             slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
             seq_lens=self.seq_lens[:bucket], query_start=self.query_start[: bucket + 1],
             logits_indices=self.logits_indices[:bucket], max_query_len=1,
-            num_parts=self.forward.decode_num_parts(bucket, self.max_context),
+            num_parts=self.forward.decode_num_parts(bucket, self.max_context, fp8=self.kv_cache.quantized),
         )
 
     @torch.inference_mode()

@@ -157,9 +157,11 @@ class FastForward:
         self.tail_stream = torch.cuda.Stream(device) if on_cuda and parallel_tails is not False else None
         self.cos, self.sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, dtype, device)
 
-    def decode_num_parts(self, batch: int, max_context: int) -> int:
-        """Key partitions the decode attention uses for this batch size and longest context."""
-        return self.ops.decode_num_parts(batch, self.config.num_key_value_heads, max_context)
+    def decode_num_parts(self, batch: int, max_context: int, fp8: bool = False) -> int:
+        """Key partitions the decode attention uses for this batch size and longest context (`fp8`: over a
+        cache of FP8 codes)."""
+        return self.ops.decode_num_parts(batch, self.config.num_key_value_heads, max_context, fp8=fp8,
+                                         device=self.cos.device)
 
     def _linear(self, x: torch.Tensor, w: object) -> torch.Tensor:
         return linear(x, w, small_batch_kernel=self.fp8_small_batch)  # type: ignore[arg-type]

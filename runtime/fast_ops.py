@@ -117,7 +117,7 @@ class TorchOps:
         return out
 
     @staticmethod
-    def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
+    def decode_num_parts(batch: int, num_kv_heads: int, max_context: int, **_: object) -> int:
         return 1
 
 

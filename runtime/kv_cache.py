@@ -51,6 +51,11 @@ class KVCache:
                 assert scale.shape == (layers, blocks, kv_heads, block_size) and scale.dtype == torch.float32
 
     @property
+    def quantized(self) -> bool:
+        """The cache holds FP8 codes with per-(position, KV head) scales."""
+        return self.k_scale is not None
+
+    @property
     def num_blocks(self) -> int:
         """Blocks per layer instance (the same id is valid in every layer instance)."""
         return int(self.k.shape[1])

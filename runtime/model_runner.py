@@ -303,6 +303,7 @@ class ModelRunner:
             )
         self._took("fast")
         self.num_audio_only_steps += not text
-        num_parts = self.fast.decode_num_parts(batch, max(attn.seq_lens)) if max(attn.query_lens) == 1 else 1
+        num_parts = (self.fast.decode_num_parts(batch, max(attn.seq_lens), fp8=self.kv_cache.quantized)
+                     if max(attn.query_lens) == 1 else 1)
         step = StepInputs.from_metadata(inp.tokens, inp.is_audio, inp.positions, attn, num_parts=num_parts)
         return self.fast(step, self.kv_cache, text=text)

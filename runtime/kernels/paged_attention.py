@@ -223,10 +223,11 @@ SPLIT_TWO_BELOW = 256
 # 4.662, 8 streams 4.837 / 4.866 / 4.829 against 4.795 / 4.797 / 4.800 (slower in 4 of the 5 pairs of runs 5
 # and 7); bf16 weights, 8 streams 5.507 / 5.510 / 5.505 against 5.511 / 5.521 / 5.502 (run 5: 5.505 / 5.477
 # against 5.531 / 5.523); 16 streams (2 partitions) 0.1-0.4% slower in run 5.
+# "fp8_mid": an FP8 cache's launches at 16-64 streams (FP8_SPLIT_TWO_PROGRAMS, FP8_WIDE_PROGRAMS below).
 L2_KV_BELOW_BATCH = 8
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
-    "l2_kv": True,
+    "l2_kv": True, "fp8_mid": True,
 }
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
@@ -245,15 +246,36 @@ NARROW_LAUNCH = (32, 1, 2)  # key tile, warps, stages
 # (bf16 127.3; 128-key tiles in 4 warps 133.8 there but 88.4 at 128 x 512); split keys at 1 sequence 64-key
 # tiles in 4 warps, 1 stage: 7.6 us (bf16 6.6).
 FP8_LAUNCH, FP8_SPLIT_LAUNCH = (32, 1, 2), (64, 4, 1)
+# An FP8 cache (Hopper) between 48 and 64 sequences x 8 KV heads: the one-warp programs above are bound by
+# their own instruction latency with only ~4 of them on an SM, so keys split in 2 (twice the programs, half
+# the keys each, FP8_LAUNCH, the q/k RoPE still fused) beat the unsplit grid with its merge kernel included
+# (us per call, bench/results/kv-fp8-split-h200/): 48 x 512 keys 33.6 against 40.8, 64 x 512 36.7 against
+# 43.7, 64 x 1024 63.3 against 76.9, 64 x 2048 118.1 against 134.5. At 32 sequences (27.8 against 25.1) and
+# at 96-128 (65.1-71.4 against 52.5-59.7) it loses. OPTIONS["fp8_mid"] turns this and FP8_WIDE off.
+FP8_SPLIT_TWO_PROGRAMS = ((384, 512),)  # inclusive ranges of sequences x KV heads
+# ... and 4-warp programs over 128-key tiles (FP8_WIDE_LAUNCH) at 32 sequences x 8 KV heads over unsplit keys
+# (32 x 512: 25.1 against 38.2 us with FP8_LAUNCH; they lose at 48 sequences, 44.1 against 40.8) and at 16
+# with keys split in 2 (16 x 512: 17.5 against 22.0 with FP8_SPLIT_LAUNCH): FP8_WIDE_PROGRAMS by partitions.
+FP8_WIDE_PROGRAMS = {1: ((256, 256),), 2: ((128, 128),)}
+FP8_WIDE_LAUNCH = (128, 4, 2)
 
 
-def decode_num_parts(batch: int, num_kv_heads: int, max_context: int) -> int:
+def _in(programs: int, ranges: tuple[tuple[int, int], ...]) -> bool:
+    return any(lo <= programs <= hi for lo, hi in ranges)
+
+
+def decode_num_parts(batch: int, num_kv_heads: int, max_context: int, *, fp8: bool = False,
+                     device: torch.device | str | None = None) -> int:
     """Key partitions per sequence (a power of 2): 1 once batch x KV heads fill the SMs, 2 just below that
-    (SPLIT_TWO_BELOW), else enough partitions for ~TARGET_PROGRAMS programs, none shorter than one key tile."""
+    (SPLIT_TWO_BELOW), else enough partitions for ~TARGET_PROGRAMS programs, none shorter than one key tile.
+    `fp8`: the cache holds FP8 codes; on a Hopper `device` it is also split in 2 at FP8_SPLIT_TWO_PROGRAMS."""
     programs = batch * num_kv_heads
     most = max(1, math.ceil(max_context / BLOCK_N_DECODE))
     if OPTIONS["max_parts"] is not None:
         most = min(most, int(OPTIONS["max_parts"]))
+    if (fp8 and OPTIONS["fp8_mid"] and device is not None and _is_hopper(torch.device(device))
+            and _in(programs, FP8_SPLIT_TWO_PROGRAMS) and most >= 2):
+        return 2
     if programs >= SPLIT_BELOW:
         return 2 if OPTIONS["split_two"] and programs < int(OPTIONS["split_two_below"]) and most >= 2 else 1
     wanted = max(1, math.ceil(TARGET_PROGRAMS / programs))
@@ -269,8 +291,12 @@ def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = 
     if num_parts == 1 and OPTIONS["launch"] is not None:
         return OPTIONS["launch"]
     if narrow and fp8:
+        if OPTIONS["fp8_mid"] and _in(programs, FP8_WIDE_PROGRAMS.get(num_parts, ())):
+            return FP8_WIDE_LAUNCH
+        if OPTIONS["fp8_mid"] and num_parts == 2 and _in(programs, FP8_SPLIT_TWO_PROGRAMS):
+            return FP8_LAUNCH
         return FP8_LAUNCH if num_parts == 1 else FP8_SPLIT_LAUNCH
-    if narrow and num_parts == 1 and any(lo <= programs <= hi for lo, hi in NARROW_PROGRAMS):
+    if narrow and num_parts == 1 and _in(programs, NARROW_PROGRAMS):
         return NARROW_LAUNCH
     # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
     return BLOCK_N_DECODE, 4, 3 if num_parts > 1 else 2
@@ -314,6 +340,8 @@ def paged_decode_attention(
     side; `head_major`: the caches are [num_blocks, KV, block_size, D] instead of [num_blocks, block_size,
     KV, D]. `k_scale`, `v_scale` [num_blocks, KV, block_size]: the caches hold FP8 codes (module docstring).
     """
+    # the kernel addresses q's rows as [B, H * D] back to back (a slice of the QKV rows would be read wrongly)
+    assert q.is_contiguous(), "q must be contiguous"
     return _decode(q, None, q.shape[1], k_cache, v_cache, block_tables, seq_lens, num_parts, block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, kv_first=kv_first, head_major=head_major,
                    k_scale=k_scale, v_scale=v_scale)

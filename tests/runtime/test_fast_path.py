@@ -614,6 +614,56 @@ def test_decode_attention_launch_shape_by_grid() -> None:
     assert decode_launch(16, 8, decode_num_parts(16, 8, 512)) == (64, 4, 3)
 
 
+def test_decode_attention_launch_over_an_fp8_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP8 cache on Hopper: one-warp 32-key programs over unsplit keys, except 4-warp 128-key ones at 32
+    sequences x 8 KV heads and at 16 (keys split in 2 there), and keys split in 2 (one-warp 32-key programs)
+    at 48-64 sequences, where they were measured faster (bench/results/kv-fp8-split-h200/); off Hopper, or
+    with OPTIONS["fp8_mid"] off, the earlier choices."""
+    pytest.importorskip("triton")
+    from runtime.kernels import paged_attention as pa
+
+    assert [pa.decode_launch(b, 8, 1, fp8=True) for b in (16, 32, 48, 64, 96, 128)] == [
+        (32, 1, 2), (128, 4, 2), (32, 1, 2), (32, 1, 2), (32, 1, 2), (32, 1, 2)]
+    assert [pa.decode_launch(b, 8, 2, fp8=True) for b in (8, 16, 24, 32, 48, 64)] == [
+        (64, 4, 1), (128, 4, 2), (64, 4, 1), (64, 4, 1), (32, 1, 2), (32, 1, 2)]
+    assert pa.decode_launch(1, 8, 16, fp8=True) == (64, 4, 1)
+    assert pa.decode_launch(32, 8, 1, fp8=True, narrow=False) == (64, 4, 2)
+    assert pa.decode_launch(64, 8, 2, fp8=True, narrow=False) == (64, 4, 3)
+    # the partitions: only for an FP8 cache, only on Hopper
+    assert [pa.decode_num_parts(b, 8, 512, fp8=True, device="cpu") for b in (32, 48, 64)] == [1, 1, 1]
+    monkeypatch.setattr(pa, "_is_hopper", lambda device: True)
+    assert [pa.decode_num_parts(b, 8, 512, fp8=True, device="cuda") for b in (16, 24, 32, 48, 64, 96, 128)] == [
+        2, 2, 1, 2, 2, 1, 1]
+    assert [pa.decode_num_parts(b, 8, 512, device="cuda") for b in (48, 64)] == [1, 1]
+    assert pa.decode_num_parts(64, 8, 64, fp8=True, device="cuda") == 1  # one key tile holds every key
+    # the kernel reads q's rows back to back: a strided slice of the QKV rows is refused, not misread
+    qkv = torch.zeros(2, (32 + 16) * 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="contiguous"):
+        pa.paged_decode_attention(qkv[:, : 32 * 128].view(2, 32, 128), cache, cache,
+                                  torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    monkeypatch.setitem(pa.OPTIONS, "fp8_mid", False)
+    assert pa.decode_num_parts(64, 8, 512, fp8=True, device="cuda") == 1
+    assert pa.decode_launch(32, 8, 1, fp8=True) == (32, 1, 2)
+    assert pa.decode_launch(16, 8, 2, fp8=True) == pa.decode_launch(64, 8, 2, fp8=True) == (64, 4, 1)
+
+
+def test_fast_forward_asks_for_fp8_partitions_with_its_device() -> None:
+    """FastForward passes the cache kind and its device to the ops' partition choice (CPU: no split)."""
+    fast = FastForward(fuse_model_weights(build_model(ModelConfig.preset("tiny"), seed=0)), TorchOps())
+    seen = []
+    fast.ops = type("Ops", (), {"decode_num_parts": staticmethod(lambda *a, **kw: seen.append((a, kw)) or 3)})()
+    assert fast.decode_num_parts(64, 512, fp8=True) == 3
+    assert seen == [((64, fast.config.num_key_value_heads, 512), {"fp8": True, "device": torch.device("cpu")})]
+    # the decode graph runner asks with its cache's kind, as the step is built
+    for dtype, fp8 in ((torch.bfloat16, False), (FP8_KV_DTYPE, True)):
+        seen.clear()
+        cache = allocate_kv_cache(fast.config, 8, 4, torch.device("cpu"), dtype)
+        step = DecodeGraphRunner(fast, cache, max_model_len=24, buckets=(4,))._step(4)
+        assert step.num_parts == 3
+        assert seen == [((4, fast.config.num_key_value_heads, 24), {"fp8": fp8, "device": torch.device("cpu")})]
+
+
 def test_triton_ops_fall_back_to_two_ops_for_the_fused_decode_attention() -> None:
     """A fused decode op whose parts fall back runs as this backend's two ops: with both on PyTorch, the same
     numbers as TorchOps (on CPU)."""
