@@ -32,7 +32,6 @@ import math
 import shlex
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from bench.fast_tools import (
     log,
     logit_compare,
     make_rows,
+    overridden,
     plain_inputs,
     plain_stepper,
     time_interleaved,
@@ -86,22 +86,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@contextlib.contextmanager
-def option_off(name: str | None) -> Iterator[None]:
+def option_off(name: str | None) -> contextlib.AbstractContextManager:
     """runtime.kernels.paged_attention OPTIONS[name] set False inside the block (None: nothing changes)."""
     from runtime.kernels import paged_attention as pa
 
     if name is None:
-        yield
-        return
+        return contextlib.nullcontext()
     if name not in pa.OPTIONS:
         raise ValueError(f"no paged_attention option {name!r}")
-    before = pa.OPTIONS[name]
-    pa.OPTIONS[name] = False
-    try:
-        yield
-    finally:
-        pa.OPTIONS[name] = before
+    return overridden(pa.OPTIONS, **{name: False})
 
 
 def fill_quantized(src: KVCache, dst: KVCache) -> None:

@@ -194,7 +194,7 @@ def chain_probe(
     order = [(xs[MATRICES[name][1]], layer[name], name) for layer in ws for name in CHAIN]  # step order
     side = torch.cuda.Stream(dev)
 
-    def step(run: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]) -> None:
+    def step(run: ChainRun) -> None:
         for x, w, name in order:
             run(x, w, name)
 

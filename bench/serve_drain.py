@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -67,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    result = {"bench": "serve_drain", "command": "python bench/serve_drain.py " + " ".join(sys.argv[1:]),
+    result = {"bench": "serve_drain", "command": shlex.join(["python", "bench/serve_drain.py", *sys.argv[1:]]),
               "ray": ray.__version__, "runs": [run_one(d, args.port) for d in args.drain.split(",")]}
     text = json.dumps(result, indent=1)
     print(text)

@@ -164,29 +164,35 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return d
 
 
+def block_m(m: int) -> int:
+    """The activation tile's rows for `m` rows: the next power of 2 from 16 (TMA fills the rows past m with 0)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def smem_bytes(cfg: tuple[int, int, int, int, int], m: int) -> int:
+    """Shared memory of one program: STAGES stages of a [BNW, BK] weight and a [BM, BK] activation tile (bf16)."""
+    bnw, bk, stages = cfg[:3]
+    return stages * (bnw + block_m(m)) * bk * 2
+
+
 def tma_rows(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int, int], early_w: bool = True,
-             persistent: bool = True, out: torch.Tensor | None = None,
-             part: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N] bf16; cfg = (BNW, BK, STAGES, SPLIT, warps); M <= 128 (padded to BM, the next power
-    of 2 from 16; TMA fills the rows past M with zeros). `early_w`: the first stages' weight copies
+             persistent: bool = True) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T -> [M, N] bf16; cfg = (BNW, BK, STAGES, SPLIT, warps); M <= 128 (padded to `block_m`).
+    `early_w`: the first stages' weight copies
     before the PDL wait (no effect without PDL: nothing is waited for). `persistent`: at most one program per
-    SM, each taking its share of the work units (else one program per unit). `out` / `part` (float32 [SPLIT, M, N])
-    may be given so that a graph captures fixed buffers."""
+    SM, each taking its share of the work units (else one program per unit)."""
     bnw, bk, stages, split, warps = cfg
     m, k = x.shape
     n = w.shape[0]
     assert x.dtype == w.dtype == torch.bfloat16 and w.shape[1] == k and x.is_contiguous() and w.is_contiguous()
     assert 0 < m <= 128 and n % bnw == 0 and k % (bk * split) == 0 and k // (bk * split) >= stages, (m, n, k, cfg)
-    bm = max(16, triton.next_power_of_2(m))
-    y = out if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
-    dst = y
-    if split > 1:
-        dst = part if part is not None else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    dst = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     pa = pdl_args()
     units = n // bnw * split
     per = -(-units // _sm_count(x.device)) if persistent else 1
     _tma_rows_kernel[(-(-units // per),)](
-        _desc(w, [bnw, bk]), _desc(x, [bm, bk]), dst, m, n, K_TILES=k // (bk * split), UNITS_PER=per, STAGES=stages,
+        _desc(w, [bnw, bk]), _desc(x, [block_m(m), bk]), dst, m, n, K_TILES=k // (bk * split), UNITS_PER=per, STAGES=stages,
         SPLIT=split, EARLY_W=early_w, num_warps=warps, **pa,
     )
     if split > 1:
@@ -199,30 +205,28 @@ def candidates(m: int, n: int, k: int, sms: int, persistent: bool) -> list[tuple
     """(BNW, BK, STAGES, SPLIT, warps) for one product: BK 64, 4 warps; at least a third of the SMs' worth of
     work units (persistent: the programs, at most one per SM, share them out; else at most 3 units per SM, one
     program each); at most 200 KB of shared memory per program (~113 KB leaves room for a second)."""
-    bm = max(16, triton.next_power_of_2(m))
     out = []
     for bnw in (64, 128, 256):
         for split in (1, 2, 4):
             for stages in ((3, 4) if bnw == 256 else (4, 6, 8)):
+                cfg = (bnw, 64, stages, split, 4)
                 units = (n // bnw) * split
-                smem = stages * (bnw + bm) * 64 * 2
                 if n % bnw or k % (64 * split) or k // (64 * split) < stages:
                     continue
-                if units >= sms // 3 and (persistent or units <= 3 * sms) and smem <= 200 * 1024:
-                    out.append((bnw, 64, stages, split, 4))
+                if units >= sms // 3 and (persistent or units <= 3 * sms) and smem_bytes(cfg, m) <= 200 * 1024:
+                    out.append(cfg)
     return out
 
 
 def pick(sweep_rows: list[dict], m: int, smem_cap: int | None) -> dict[str, tuple]:
     """Per matrix, the fastest checked candidate at `m` rows (with at most `smem_cap` bytes of shared memory
     per program when given: room for the next kernel's program beside it)."""
-    bm = max(16, triton.next_power_of_2(m))
     best: dict[str, tuple] = {}
     for row in sweep_rows:
         if row["m"] != m:
             continue
         ok = [e for e in row["tiles"] if "us" in e
-              and (smem_cap is None or e["tiles"][2] * (e["tiles"][0] + bm) * e["tiles"][1] * 2 <= smem_cap)]
+              and (smem_cap is None or smem_bytes(tuple(e["tiles"]), m) <= smem_cap)]
         if ok:
             best[row["matrix"]] = tuple(min(ok, key=lambda e: e["us"])["tiles"])
     return best
