@@ -94,8 +94,9 @@ def test_fast_step_matches_plain_step_prefill_chunk_and_decode(model: MossSpeech
 def test_fast_step_on_fp8_caches_stores_the_plain_steps_codes_and_scales(model: MossSpeechForCausalLM) -> None:
     """The three steps (prefill chunks, a chunk beside a decode row, decode) on FP8 caches: the PyTorch ops
     quantize as the plain path does (runtime/kv_cache.py), so they store its codes, and its scales up to the
-    last float32 bit the rows themselves differ by (the fused QKV product rounds in another order); the
-    logits agree as on float32 caches."""
+    last float32 bits the rows themselves differ by (the fused QKV product rounds in another order: a few
+    units in the last place, how many depends on the CPU's matmul kernels; 2 on one of our machines, so the
+    bound is 1e-6, ~8 units); the logits agree as on float32 caches."""
     fast = FastForward(fuse_model_weights(model), TorchOps())
     plain_cache, fast_cache = (allocate_kv_cache(CONFIG, 32, BLOCK_SIZE, "cpu", FP8_KV_DTYPE) for _ in range(2))
     for work in _two_sequence_steps():
@@ -106,8 +107,8 @@ def test_fast_step_on_fp8_caches_stores_the_plain_steps_codes_and_scales(model: 
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
     assert torch.equal(fast_cache.k.view(torch.uint8), plain_cache.k.view(torch.uint8))
     assert torch.equal(fast_cache.v.view(torch.uint8), plain_cache.v.view(torch.uint8))
-    torch.testing.assert_close(fast_cache.k_scale, plain_cache.k_scale, rtol=2e-7, atol=0)
-    torch.testing.assert_close(fast_cache.v_scale, plain_cache.v_scale, rtol=2e-7, atol=0)
+    torch.testing.assert_close(fast_cache.k_scale, plain_cache.k_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fast_cache.v_scale, plain_cache.v_scale, rtol=1e-6, atol=0)
     assert int((plain_cache.k_scale > 0).sum()) == CONFIG.num_layer_instances * CONFIG.num_key_value_heads * 19
 
 
