@@ -23,6 +23,10 @@ language, shipped with Triton 3.6) so that the order is ours:
 products, a weight copy per layer), with cuBLAS: without PDL, with PDL and the weights issued after the
 wait, and with PDL and the weights issued before it. Every product is checked against a float32 product
 first, and the early-weight variant must give the plain variant's bits.
+
+`--tiled` (forty-fourth session) adds chains whose kernels read `tile_major` copies of the weights, where every
+BNW x BK box is contiguous (one sequential read per TMA box); they must give the plain chains' bits.
+`--sweep-tiled` times the candidates alone on such copies, so the chains' tiles are chosen there.
 """
 from __future__ import annotations
 
@@ -60,10 +64,20 @@ def _unit_coords(u, n_tiles, BNW: gl.constexpr, K_TILES: gl.constexpr, BK: gl.co
 
 
 @gluon.jit
+def _w_box(off_n, k, K, BNW: gl.constexpr, BK: gl.constexpr, TILED: gl.constexpr):
+    """Coordinates of the [BNW, BK] weight box at (off_n, k): in the [N, K] matrix, or (TILED) in its
+    `tile_major` copy, where that box is BNW * BK contiguous elements."""
+    if TILED:
+        return [((off_n // BNW) * (K // BK) + k // BK) * BNW, 0]
+    else:
+        return [off_n, k]
+
+
+@gluon.jit
 def _tma_rows_kernel(
-    w_desc, x_desc, y_ptr, M, N,
+    w_desc, x_desc, y_ptr, M, N, K,
     K_TILES: gl.constexpr, UNITS_PER: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    USE_PDL: gl.constexpr, EARLY_W: gl.constexpr, num_warps: gl.constexpr,
+    USE_PDL: gl.constexpr, EARLY_W: gl.constexpr, TILED: gl.constexpr, num_warps: gl.constexpr,
 ):
     """y[M, N] (bf16, or float32 partials [SPLIT, M, N]) = x[M, K] W[N, K]^T. A work unit is BNW output columns
     over K / SPLIT; program p takes units p, p + grid, ... (at most UNITS_PER), their K tiles one continuous
@@ -88,12 +102,14 @@ def _tma_rows_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.expect(bars.index(s), stage_bytes)
         if EARLY_W:
-            tma.async_copy_global_to_shared(w_desc, [off_n0, k00 + s * BK], bars.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, _w_box(off_n0, k00 + s * BK, K, BNW, BK, TILED), bars.index(s),
+                                            w_smem.index(s))
     if USE_PDL:
         _gdc_wait_and_release()
     for s in gl.static_range(STAGES):
         if not EARLY_W:
-            tma.async_copy_global_to_shared(w_desc, [off_n0, k00 + s * BK], bars.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, _w_box(off_n0, k00 + s * BK, K, BNW, BK, TILED), bars.index(s),
+                                            w_smem.index(s))
         tma.async_copy_global_to_shared(x_desc, [0, k00 + s * BK], bars.index(s), x_smem.index(s))
 
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -118,7 +134,8 @@ def _tma_rows_kernel(
             off_n, k0, _ks = _unit_coords(pid + (nxt // K_TILES) * grid, n_tiles, BNW, K_TILES, BK)
             mbarrier.expect(bars.index(prev), stage_bytes)
             kn = k0 + (nxt % K_TILES) * BK
-            tma.async_copy_global_to_shared(w_desc, [off_n, kn], bars.index(prev), w_smem.index(prev))
+            tma.async_copy_global_to_shared(w_desc, _w_box(off_n, kn, K, BNW, BK, TILED), bars.index(prev),
+                                            w_smem.index(prev))
             tma.async_copy_global_to_shared(x_desc, [0, kn], bars.index(prev), x_smem.index(prev))
         if kk == K_TILES - 1:  # the unit's last tile: write it out
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -175,12 +192,26 @@ def smem_bytes(cfg: tuple[int, int, int, int, int], m: int) -> int:
     return stages * (bnw + block_m(m)) * bk * 2
 
 
+_TILED: dict[tuple, torch.Tensor] = {}
+
+
+def tile_major(w: torch.Tensor, bnw: int, bk: int) -> torch.Tensor:
+    """[N, K] -> [N / bnw * K / bk * bnw, bk]: band of bnw rows by band, K tile by K tile, each bnw x bk box
+    contiguous, so a TMA box is one sequential read. Cached per (matrix, tile) for the chains' weights."""
+    key = (w.data_ptr(), tuple(w.shape), bnw, bk)
+    if key not in _TILED:
+        n, k = w.shape
+        _TILED[key] = w.view(n // bnw, bnw, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
+    return _TILED[key]
+
+
 def tma_rows(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int, int], early_w: bool = True,
-             persistent: bool = True) -> torch.Tensor:
+             persistent: bool = True, tiled: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] bf16; cfg = (BNW, BK, STAGES, SPLIT, warps); M <= 128 (padded to `block_m`).
     `early_w`: the first stages' weight copies
     before the PDL wait (no effect without PDL: nothing is waited for). `persistent`: at most one program per
-    SM, each taking its share of the work units (else one program per unit)."""
+    SM, each taking its share of the work units (else one program per unit). `tiled`: read the weights from
+    their `tile_major` copy (made on first use)."""
     bnw, bk, stages, split, warps = cfg
     m, k = x.shape
     n = w.shape[0]
@@ -192,8 +223,9 @@ def tma_rows(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int, in
     units = n // bnw * split
     per = -(-units // _sm_count(x.device)) if persistent else 1
     _tma_rows_kernel[(-(-units // per),)](
-        _desc(w, [bnw, bk]), _desc(x, [block_m(m), bk]), dst, m, n, K_TILES=k // (bk * split), UNITS_PER=per, STAGES=stages,
-        SPLIT=split, EARLY_W=early_w, num_warps=warps, **pa,
+        _desc(tile_major(w, bnw, bk) if tiled else w, [bnw, bk]), _desc(x, [block_m(m), bk]), dst, m, n, k,
+        K_TILES=k // (bk * split), UNITS_PER=per, STAGES=stages, SPLIT=split, EARLY_W=early_w, TILED=tiled,
+        num_warps=warps, **pa,
     )
     if split > 1:
         block = 2048
@@ -244,6 +276,10 @@ def main() -> None:
                     help="the 'fit2' chain variants: fastest tiles with at most this much shared memory per program")
     ap.add_argument("--no-persistent", dest="persistent", action="store_false",
                     help="one program per work unit instead of at most one per SM")
+    ap.add_argument("--tiled", action="store_true",
+                    help="also chain the same tiles reading `tile_major` weight copies (bits must not change)")
+    ap.add_argument("--sweep-tiled", action="store_true",
+                    help="time the candidates alone on `tile_major` weights (the chains' tiles are then chosen there)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -257,10 +293,12 @@ def main() -> None:
         n, k = MATRICES[name]
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
         for m in rows:
-            result["sweep"].append(sweep_product(name, m, ws, candidates(m, n, k, sms, args.persistent),
-                                                 lambda x, w, cfg: tma_rows(x, w, cfg, persistent=args.persistent)))
+            result["sweep"].append(sweep_product(
+                name, m, ws, candidates(m, n, k, sms, args.persistent),
+                lambda x, w, cfg: tma_rows(x, w, cfg, persistent=args.persistent, tiled=args.sweep_tiled)))
             emit(result, out)
         del ws
+        _TILED.clear()
     for m in rows:
         extra = {}
         for tag, cap in (("", None), ("_fit2", args.smem_cap)):
@@ -274,6 +312,11 @@ def main() -> None:
             extra[f"tma{tag}_pdl"] = ("wait", lambda x, w, nm, c=cfgs, r=run: r(x, w, c[nm], early_w=False),
                                       f"tma{tag}")
             extra[f"tma{tag}_pdl_early_w"] = ("wait", lambda x, w, nm, c=cfgs, r=run: r(x, w, c[nm]), f"tma{tag}")
+            if args.tiled:
+                extra[f"tma{tag}_tiled"] = ("off", lambda x, w, nm, c=cfgs, r=run: r(x, w, c[nm], tiled=True),
+                                            f"tma{tag}")
+                extra[f"tma{tag}_tiled_pdl"] = ("wait", lambda x, w, nm, c=cfgs, r=run: r(x, w, c[nm], early_w=False,
+                                                                                          tiled=True), f"tma{tag}")
         result["chains"].append(chain_probe(m, args.layers, [], [], args.rounds, dev, extra=extra,
                                             triton_variants=False))
         emit(result, out)

@@ -295,8 +295,8 @@ def test_the_tma_probe_asks_for_its_weight_tiles_before_the_pdl_wait_only_when_t
         desc = {name: f"tensordesc<bf16[{rows}, 64],{gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16)!r}>"
                 for name, rows in (("w_desc", 128), ("x_desc", 64))}
         consts = {"K_TILES": 16, "UNITS_PER": 2, "STAGES": stages, "SPLIT": 1, "USE_PDL": pdl, "EARLY_W": early,
-                  "num_warps": 4}
-        sig = desc | {"y_ptr": "*bf16", "M": "i32", "N": "i32"} | {name: "constexpr" for name in consts}
+                  "TILED": False, "num_warps": 4}
+        sig = desc | {"y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"} | {name: "constexpr" for name in consts}
         src = GluonASTSource(fn=tma_rows._tma_rows_kernel, signature=sig, constexprs=consts)
         return triton.compile(src, target=HOPPER, options={"num_warps": 4}).asm["ptx"]
 
@@ -308,6 +308,43 @@ def test_the_tma_probe_asks_for_its_weight_tiles_before_the_pdl_wait_only_when_t
         assert sum(i < wait for i in copies) == (4 if early else 0)
         assert "wgmma.mma_async" in text
     assert "griddepcontrol" not in ptx(True, False)
+
+
+@pytest.mark.parametrize("ksplit_a", [1, 2])
+def test_the_dataflow_mlp_asks_for_weights_before_the_pdl_wait_and_publishes_h_through_one_thread(ksplit_a: int) -> None:
+    """bench/dataflow_mlp.py (a Gluon kernel): under PDL the first STAGES - 1 tiles' weight copies (two halves
+    each) come before `griddepcontrol.wait` and no activation copy does; the counters are updated by
+    single-thread (predicated) atomics, h's release is gpu-scoped, and both sides of it fence the async proxy."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench import dataflow_mlp
+
+    stages = 4
+    desc = {name: f"tensordesc<bf16[64, 128],{gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)!r}>"
+            for name in ("wgu_desc", "wd_desc", "x_desc", "h_desc")}
+    consts = {"SPLIT": 6, "KSPLIT_A": ksplit_a, "STAGES": stages, "EARLY_X": True, "TILED": True, "USE_PDL": True,
+              "TRACE": False, "num_warps": 4}
+    sig = desc | {"h_ptr": "*bf16", "part_ptr": "*fp32", "apart_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32",
+                  "err_ptr": "*i32", "trace_ptr": "*i64", "M": "i32", "spin_cap": "i32"}
+    sig |= {name: "constexpr" for name in consts}
+    src = GluonASTSource(fn=dataflow_mlp._mlp_kernel, signature=sig, constexprs=consts)
+    lines = [line.strip() for line in triton.compile(src, target=HOPPER, options={"num_warps": 4}).asm["ptx"].splitlines()]
+    # which register holds which descriptor: mov.b64 %rdP, <kernel>_param_N; cvta.param.u64 %rdD, %rdP
+    param_of = {m[0]: int(m[1]) for m in (re.findall(r"mov\.b64\s+(%rd\d+), _mlp_kernel_param_(\d+);", "\n".join(lines)))}
+    desc_of = {d: param_of[s] for d, s in re.findall(r"cvta\.param\.u64\s+(%rd\d+), (%rd\d+);", "\n".join(lines))}
+    weights = set(sorted(desc_of, key=desc_of.get)[:2])  # wgu_desc, wd_desc: the first two descriptors
+    copies = [(i, re.search(r"\[(%rd\d+),", line)[1]) for i, line in enumerate(lines) if "cp.async.bulk.tensor.2d" in line]
+    last_wait = max(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    before = [d for i, d in copies if i < last_wait]
+    # the first STAGES - 1 tiles' two halves, written once for an A unit and once for a B unit
+    assert len(before) == 4 * (stages - 1) and set(before) == weights
+    assert any(i > last_wait and d not in weights for i, d in copies)
+    atomics = [line for line in lines if "atom.global" in line]
+    assert atomics and all(line.startswith("@%p") for line in atomics)
+    assert any("atom.global.gpu.release.add" in line for line in atomics)
+    assert sum("fence.proxy.async.global" in line for line in lines) >= 2
+    assert sum("wgmma.mma_async" in line for line in lines) > 0
 
 
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:

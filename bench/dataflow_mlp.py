@@ -1,0 +1,525 @@
+"""A dataflow MLP block for 64-row decode steps: gate/up, SiLU-mul and down in one persistent kernel whose
+down tiles wait for the gate/up tiles they read, not for a kernel boundary (H200 probe).
+
+    python bench/dataflow_mlp.py --rows 64 --out $OUT/r/dataflow-mlp-h200.json
+
+Issue 4's 64-stream step pays, per layer, the MLP block as four kernels: cuBLAS's gate/up product, the SiLU-mul,
+cuBLAS's split-K down product and its split-K sum. Each boundary drains one kernel's last wave before the next
+one ramps up (bench/boundary_ceiling.py: ~3.1 us a boundary for kernels that only stream). Here one launch
+does the whole block, as a queue of work units that every program takes from in order (an atomic counter):
+- an A unit is 64 intermediate columns: their gate and up weight rows over the hidden size (or over
+  1/KSPLIT_A of it), so its epilogue can apply SiLU(gate) * up, rounded as `runtime/kernels/elementwise.py`'s
+  `silu_mul`, and store those 64 columns of h. With KSPLIT_A > 1 the parts store float32 partials and the
+  last to arrive sums them in part order first. The h tile then counts itself done in its K group;
+- a B unit is 128 of down's output columns over 1/SPLIT of the intermediate size. It needs only the h tiles
+  of its K group, so it waits for that group's count, not for all of gate/up. It stores float32 partials; the
+  last of the SPLIT units of an output tile to arrive sums them in split order and stores bf16.
+All A units are queued before any B unit, so a B unit's producers are running when it waits: no deadlock
+whatever the number of resident programs. Each program asks for the next unit's weight tiles while it
+finishes the current one; its activation tiles go with them when nothing is awaited (EARLY_X: the unit is an
+A unit, or its K group is done already), else once the dependency holds. Under PDL a program asks for its
+first weight tiles before `griddepcontrol.wait`. The operands stream by TMA into an mbarrier ring and
+multiply on wgmma as y^T = W x^T, as in bench/tma_rows.py. TILED reads the weights from a `tile_major` copy,
+in which every 64 x BK box is contiguous. h goes out through the generic proxy and comes back in by TMA (the
+async proxy), so both sides fence the proxies around the release / acquire of the group count.
+
+Checks before any timing: h and y of layer 0 against a float32 block (relative error beside cuBLAS's), every
+counter at its expected value (units taken, group counts, arrivals; no wait ran out of polls), and the
+layers' outputs bit-equal between the first eager run and the graph replays (the block is deterministic:
+fixed K order, partials summed in a fixed order). Then 16-layer chains in CUDA graphs (a weight copy per
+layer, so L2 holds none), timed in interleaved rounds against cuBLAS + `silu_mul` + cuBLAS. Each PDL variant
+is also replayed once with TRACE, which stores every unit's program and start / activations-asked / end
+times; `traces` summarizes the middle layer's launch (when gate/up's units end, how long units and waits
+take, when the programs finish).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+HIDDEN, INTER = 4096, 12288
+HALF = 64  # weight rows per half tile (wgmma's M); K per tile (BK) is the descriptors' block width
+HIDDEN_C, INTER_C, HALF_C = (gl.constexpr(v) for v in (HIDDEN, INTER, HALF))
+
+
+@gluon.jit
+def _gdc_wait_and_release():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    """Order this thread's generic-proxy global accesses with its async-proxy (TMA) ones."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _now():
+    """The global nanosecond timer (%globaltimer)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _w_at(desc, row, k, TILED: gl.constexpr, K: gl.constexpr):
+    """Coordinates of the [64, BK] weight box at (row, k) of a [N, K] matrix: the matrix itself, or (TILED) its
+    tile-major copy (`tile_major`: every box 64 x BK contiguous, boxes K-major within a 64-row band)."""
+    BK_C: gl.constexpr = desc.block_type.shape[1]
+    if TILED:
+        return [((row // HALF_C) * (K // BK_C) + k // BK_C) * HALF_C, 0]
+    else:
+        return [row, k]
+
+
+@gluon.jit
+def _load_w(u, t, wgu_desc, wd_desc, bar, w0, w1, NA: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr,
+            TILED: gl.constexpr, KSPLIT_A: gl.constexpr):
+    """Unit u's two weight half tiles of its K tile t: gate and up rows (A), or two 64-row halves of down's
+    128 output rows over its K range (B)."""
+    BK_C: gl.constexpr = wgu_desc.block_type.shape[1]
+    if u < NA:  # A unit u: 64 intermediate columns u // KSPLIT_A over K part u % KSPLIT_A
+        j = u // KSPLIT_A
+        k = (u % KSPLIT_A) * (HIDDEN_C // KSPLIT_A) + t * BK_C
+        tma.async_copy_global_to_shared(wgu_desc, _w_at(wgu_desc, j * HALF_C, k, TILED, HIDDEN_C), bar, w0)
+        tma.async_copy_global_to_shared(wgu_desc, _w_at(wgu_desc, INTER_C + j * HALF_C, k, TILED, HIDDEN_C), bar, w1)
+    else:
+        b = u - NA
+        row = (b % NT) * (2 * HALF_C)
+        k = (b // NT) * KB + t * BK_C
+        tma.async_copy_global_to_shared(wd_desc, _w_at(wd_desc, row, k, TILED, INTER_C), bar, w0)
+        tma.async_copy_global_to_shared(wd_desc, _w_at(wd_desc, row + HALF_C, k, TILED, INTER_C), bar, w1)
+
+
+@gluon.jit
+def _load_x(u, t, x_desc, h_desc, bar, xs, NA: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr,
+            KSPLIT_A: gl.constexpr):
+    """Unit u's activation tile of its K tile t: x (A) or h over the unit's K range (B)."""
+    BK_C: gl.constexpr = x_desc.block_type.shape[1]
+    if u < NA:
+        tma.async_copy_global_to_shared(x_desc, [0, (u % KSPLIT_A) * (HIDDEN_C // KSPLIT_A) + t * BK_C], bar, xs)
+    else:
+        tma.async_copy_global_to_shared(h_desc, [0, ((u - NA) // NT) * KB + t * BK_C], bar, xs)
+
+
+@gluon.jit
+def _mlp_kernel(
+    wgu_desc, wd_desc, x_desc, h_desc, h_ptr, part_ptr, apart_ptr, y_ptr, cnt_ptr, err_ptr, trace_ptr, M, spin_cap,
+    SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr, STAGES: gl.constexpr, EARLY_X: gl.constexpr, TILED: gl.constexpr,
+    USE_PDL: gl.constexpr,
+    TRACE: gl.constexpr, num_warps: gl.constexpr,
+):
+    """y = down(silu(x Wg^T) * (x Wu^T)) for M <= 64 rows (module docstring). cnt: [0] units taken, [1 + g]
+    A units done in K group g, [1 + SPLIT + nt] B units arrived at output tile nt; err[0] counts waits that
+    ran out of polls. TRACE: trace[u] = (program, start, activations asked for, end) in ns of each unit."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK_C: gl.constexpr = x_desc.block_type.shape[1]
+    NJ: gl.constexpr = INTER_C // HALF_C  # h tiles of 64 intermediate columns
+    NA: gl.constexpr = NJ * KSPLIT_A  # A units
+    NT: gl.constexpr = HIDDEN_C // (2 * HALF_C)  # down's output tiles
+    KB: gl.constexpr = INTER_C // SPLIT  # a B unit's K range
+    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK_C
+    KT_B: gl.constexpr = KB // BK_C
+    PER_GROUP: gl.constexpr = NJ // SPLIT  # h tiles per K group of down
+    TOTAL: gl.constexpr = NA + NT * SPLIT
+    STAGE_BYTES: gl.constexpr = 2 * wgu_desc.block_type.nbytes + x_desc.block_type.nbytes
+    gl.static_assert(KT_B >= STAGES - 1)
+    gl.static_assert(NJ % SPLIT == 0)
+    gl.static_assert(KT_A >= STAGES - 1)
+
+    w_smem = gl.allocate_shared_memory(wgu_desc.dtype, [2 * STAGES, HALF_C, BK_C], wgu_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK_C], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s0 in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s0), count=1)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BM, 16])
+    # [64 weight rows, BM activation rows]: 8 consecutive output columns (16 bytes of bf16) per thread
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
+                                                warps_per_cta=[1, num_warps], order=[0, 1])
+    cols = gl.arange(0, HALF_C, layout=gl.SliceLayout(1, out_layout))
+    m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+    row_ok = m[None, :] < M
+
+    u = gl.atomic_add(cnt_ptr, 1)
+    for i in gl.static_range(STAGES - 1):  # the first unit's first weight tiles depend on no kernel
+        if u < TOTAL:
+            mbarrier.expect(bars.index(i), STAGE_BYTES)
+            _load_w(u, i, wgu_desc, wd_desc, bars.index(i), w_smem.index(2 * i), w_smem.index(2 * i + 1),
+                    NA, NT, KB, TILED, KSPLIT_A)
+    if USE_PDL:
+        _gdc_wait_and_release()
+    g = 0  # this program's tiles so far, over all its units: stage g % STAGES, phase (g // STAGES) & 1
+    start = 0  # g at the current unit's first tile
+    ready = 0  # whether the current unit's first activation tiles were asked for with their weights
+    while u < TOTAL:
+        kt = KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+        if TRACE:
+            gl.store(trace_ptr + u * 4, gl.program_id(0).to(gl.int64))
+            gl.store(trace_ptr + u * 4 + 1, _now())
+        if ready == 0:
+            if u >= NA:  # a B unit reads h: wait until its K group's A units are done
+                grp = cnt_ptr + 1 + (u - NA) // NT
+                seen = gl.load(grp, volatile=True)
+                polls = 0
+                while (seen < PER_GROUP) & (polls < spin_cap):
+                    seen = gl.load(grp, volatile=True)
+                    polls += 1
+                if polls >= spin_cap:
+                    gl.atomic_add(err_ptr, 1)
+                gl.atomic_add(grp, 0, sem="acquire", scope="gpu")
+                gl.thread_barrier()  # the acquire (one thread's) before any thread's TMA copy
+                _fence_proxy_async_global()
+            for i in gl.static_range(STAGES - 1):  # activations of the tiles whose weights were asked for
+                sx = (start + i) % STAGES
+                _load_x(u, i, x_desc, h_desc, bars.index(sx), x_smem.index(sx), NA, NT, KB, KSPLIT_A)
+        if TRACE:
+            gl.store(trace_ptr + u * 4 + 2, _now())
+        acc0 = gl.zeros([HALF_C, BM], gl.float32, layout=mma_layout)
+        acc1 = gl.zeros([HALF_C, BM], gl.float32, layout=mma_layout)
+        nxt = TOTAL
+        nready = 0
+        for kk in range(kt):
+            cs = g % STAGES
+            mbarrier.wait(bars.index(cs), (g // STAGES) & 1)
+            xt = x_smem.index(cs).permute((1, 0))
+            acc0 = warpgroup_mma(w_smem.index(2 * cs), xt, acc0, use_acc=kk > 0, is_async=True)
+            acc1 = warpgroup_mma(w_smem.index(2 * cs + 1), xt, acc1, use_acc=kk > 0, is_async=True)
+            # the previous tile's products are done: its stage is free for tile g + STAGES - 1
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            t = kk + STAGES - 1
+            ps = (g + STAGES - 1) % STAGES
+            if t < kt:
+                mbarrier.expect(bars.index(ps), STAGE_BYTES)
+                _load_w(u, t, wgu_desc, wd_desc, bars.index(ps), w_smem.index(2 * ps), w_smem.index(2 * ps + 1),
+                        NA, NT, KB, TILED, KSPLIT_A)
+                _load_x(u, t, x_desc, h_desc, bars.index(ps), x_smem.index(ps), NA, NT, KB, KSPLIT_A)
+            else:  # the next unit's tile t - kt: its weights now, its activations too if nothing is awaited
+                if t == kt:
+                    nxt = gl.atomic_add(cnt_ptr, 1)
+                    if EARLY_X:
+                        if nxt < NA:  # x was ready before this program's first tile
+                            nready = 1
+                        if (nxt >= NA) & (nxt < TOTAL):  # h of its K group, if already done (no waiting)
+                            done = gl.atomic_add(cnt_ptr + 1 + (nxt - NA) // NT, 0, sem="acquire", scope="gpu")
+                            if done >= PER_GROUP:
+                                gl.thread_barrier()
+                                _fence_proxy_async_global()
+                                nready = 1
+                if nxt < TOTAL:
+                    mbarrier.expect(bars.index(ps), STAGE_BYTES)
+                    _load_w(nxt, t - kt, wgu_desc, wd_desc, bars.index(ps), w_smem.index(2 * ps),
+                            w_smem.index(2 * ps + 1), NA, NT, KB, TILED, KSPLIT_A)
+                    if nready == 1:
+                        _load_x(nxt, t - kt, x_desc, h_desc, bars.index(ps), x_smem.index(ps), NA, NT, KB, KSPLIT_A)
+            g += 1
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        if u < NA:  # h[:, 64j : 64j + 64] = silu(gate) * up, rounded as silu_mul rounds
+            j = u // KSPLIT_A
+            gate = gl.convert_layout(acc0, out_layout)
+            up = gl.convert_layout(acc1, out_layout)
+            last = 1
+            if KSPLIT_A > 1:  # float32 partials; the last of the K parts to arrive sums them in part order
+                abase = apart_ptr + ((u % KSPLIT_A) * M + m[None, :]) * (2 * INTER_C) + (j * HALF_C + cols)[:, None]
+                gl.store(abase, gate, mask=row_ok)
+                gl.store(abase + INTER_C, up, mask=row_ok)
+                gl.thread_barrier()
+                last = (gl.atomic_add(cnt_ptr + 1 + SPLIT + NT + j, 1, sem="acq_rel", scope="gpu") == KSPLIT_A - 1).to(gl.int32)
+                if last == 1:
+                    gl.thread_barrier()
+                    gate = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+                    up = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+                    for ka in gl.static_range(KSPLIT_A):
+                        src = apart_ptr + (ka * M + m[None, :]) * (2 * INTER_C) + (j * HALF_C + cols)[:, None]
+                        gate += gl.load(src, mask=row_ok, other=0.0)
+                        up += gl.load(src + INTER_C, mask=row_ok, other=0.0)
+            if last == 1:
+                gate = gate.to(gl.bfloat16).to(gl.float32)
+                up = up.to(gl.bfloat16).to(gl.float32)
+                act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+                hv = (act * up).to(gl.bfloat16)
+                gl.store(h_ptr + m[None, :] * INTER_C + (j * HALF_C + cols)[:, None], hv, mask=row_ok)
+                _fence_proxy_async_global()
+                gl.thread_barrier()
+                gl.atomic_add(cnt_ptr + 1 + j // PER_GROUP, 1, sem="release", scope="gpu")
+        else:  # float32 partials; the last of the SPLIT units of this output tile sums them
+            b = u - NA
+            nt = b % NT
+            ks = b // NT
+            n0 = nt * (2 * HALF_C) + cols
+            base = part_ptr + (ks * M + m[None, :]) * HIDDEN_C
+            gl.store(base + n0[:, None], gl.convert_layout(acc0, out_layout), mask=row_ok)
+            gl.store(base + (n0 + HALF_C)[:, None], gl.convert_layout(acc1, out_layout), mask=row_ok)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(cnt_ptr + 1 + SPLIT + nt, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                gl.thread_barrier()
+                lo = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+                hi = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+                for k2 in gl.static_range(SPLIT):
+                    src = part_ptr + (k2 * M + m[None, :]) * HIDDEN_C
+                    lo += gl.load(src + n0[:, None], mask=row_ok, other=0.0)
+                    hi += gl.load(src + (n0 + HALF_C)[:, None], mask=row_ok, other=0.0)
+                dst = y_ptr + m[None, :] * HIDDEN_C
+                gl.store(dst + n0[:, None], lo.to(gl.bfloat16), mask=row_ok)
+                gl.store(dst + (n0 + HALF_C)[:, None], hi.to(gl.bfloat16), mask=row_ok)
+        if TRACE:
+            gl.store(trace_ptr + u * 4 + 3, _now())
+        start += kt
+        u = nxt
+        ready = nready
+    for s0 in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s0))
+
+
+_DESCS: dict[tuple, TensorDescriptor] = {}
+
+
+def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of contiguous 2-D `t` with `block` tiles (cached: graphs reuse the buffers)."""
+    key = (t.data_ptr(), tuple(t.shape), tuple(block), t.dtype)
+    d = _DESCS.get(key)
+    if d is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        d = _DESCS[key] = TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return d
+
+
+def tile_major(w: torch.Tensor, bk: int) -> torch.Tensor:
+    """[N, K] -> the same weights as [N / 64 * K / bk * 64, bk]: band of 64 rows by band, K tile by K tile,
+    each 64 x bk box contiguous (16 KB at bk = 128), so a TMA box is one sequential read."""
+    n, k = w.shape
+    return w.view(n // HALF, HALF, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
+
+
+def counter_words(split: int) -> int:
+    """int32 counters of one block: units taken, the K groups' h tiles done, each output tile's arrivals, each
+    h tile's arrivals (its K parts)."""
+    return 1 + split + HIDDEN // (2 * HALF) + INTER // HALF
+
+
+def total_units(split: int, ksplit_a: int) -> int:
+    return INTER // HALF * ksplit_a + HIDDEN // (2 * HALF) * split
+
+
+class Block:
+    """Scratch of the dataflow MLP (h, float32 partials, an error counter) for `m` <= 64 rows, shared by every
+    layer of a step; each launch gets its own zeroed counters."""
+
+    def __init__(self, m: int, split: int, stages: int, early_x: bool, device: torch.device, bk: int = 64,
+                 tiled: bool = False, ksplit_a: int = 1, spin_cap: int = 1 << 22) -> None:
+        assert 0 < m <= 64 and INTER % (HALF * split) == 0 and (INTER // split) // bk >= stages - 1
+        self.m, self.split, self.stages, self.early_x, self.bk, self.spin_cap = m, split, stages, early_x, bk, spin_cap
+        self.tiled = tiled  # weights given as `tile_major` copies
+        self.ksplit_a = ksplit_a  # gate/up's K split in parts (A units of HIDDEN / ksplit_a)
+        assert HIDDEN // ksplit_a // bk >= stages - 1
+        self.apart = torch.empty(ksplit_a, m, 2 * INTER, device=device, dtype=torch.float32)
+        self.h = torch.empty(m, INTER, device=device, dtype=torch.bfloat16)
+        self.part = torch.empty(split, m, HIDDEN, device=device, dtype=torch.float32)
+        self.err = torch.zeros(1, device=device, dtype=torch.int32)
+        self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def __call__(self, x: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor, y: torch.Tensor,
+                 counters: torch.Tensor, pdl: bool, trace: torch.Tensor | None = None) -> torch.Tensor:
+        """y[m, HIDDEN] = down(silu(gate) * up) of x; `counters` (counter_words(split) int32) must be zero;
+        `trace` (int64 [total_units, 4]): each unit's program and timestamps."""
+        assert x.shape == (self.m, HIDDEN) and w_gu.numel() == 2 * INTER * HIDDEN and w_d.numel() == HIDDEN * INTER
+        assert (w_gu.shape[1], w_d.shape[1]) == ((self.bk, self.bk) if self.tiled else (HIDDEN, INTER))
+        assert counters.numel() == counter_words(self.split) and all(
+            t.is_contiguous() for t in (x, w_gu, w_d, y, counters))
+        _mlp_kernel[(self.grid,)](
+            _desc(w_gu, [HALF, self.bk]), _desc(w_d, [HALF, self.bk]), _desc(x, [64, self.bk]),
+            _desc(self.h, [64, self.bk]),
+            self.h, self.part, self.apart, y, counters, self.err, self.err if trace is None else trace, self.m, self.spin_cap,
+            SPLIT=self.split, KSPLIT_A=self.ksplit_a, STAGES=self.stages, EARLY_X=self.early_x, TILED=self.tiled, USE_PDL=pdl, TRACE=trace is not None,
+            num_warps=4, launch_pdl=pdl,
+        )
+        return y
+
+    def expected_counters(self) -> list[int]:
+        """Every counter after one launch: each program's last grab finds the queue empty."""
+        nj = INTER // HALF
+        return ([total_units(self.split, self.ksplit_a) + self.grid] + [nj // self.split] * self.split
+                + [self.split] * (HIDDEN // (2 * HALF)) + [self.ksplit_a if self.ksplit_a > 1 else 0] * nj)
+
+
+def trace_summary(trace: torch.Tensor, na: int) -> dict:
+    """One launch's unit timeline (`trace` [total_units, 4]: program, start, activations asked for, end; ns)
+    in microseconds from its first unit's start."""
+    tr = trace.cpu().double()
+    t0 = tr[:, 1].min()
+    start, dep, end = (tr[:, 1] - t0) / 1e3, (tr[:, 2] - t0) / 1e3, (tr[:, 3] - t0) / 1e3
+    is_a = torch.arange(len(tr)) < na  # the first na units are gate/up's
+    prog = tr[:, 0].long()
+    last_end = torch.zeros(int(prog.max()) + 1, dtype=torch.float64).scatter_reduce(0, prog, end, "amax")
+
+    def q(v: torch.Tensor) -> list[float]:
+        return [round(float(v.quantile(f)), 2) for f in (0.1, 0.5, 0.9)] + [round(float(v.max()), 2)]
+
+    return {"span_us": round(float(end.max()), 2), "a_end_us": round(float(end[is_a].max()), 2),
+            "first_b_start_us": round(float(start[~is_a].min()), 2),
+            "a_unit_us_p10_p50_p90_max": q((end - start)[is_a]),
+            "b_unit_us_p10_p50_p90_max": q((end - start)[~is_a]),
+            "b_wait_us_p10_p50_p90_max": q((dep - start)[~is_a]),
+            "b_wait_us_sum": round(float((dep - start)[~is_a].sum()), 1),
+            "program_last_end_us_p10_p50_p90_max": q(last_end),
+            "units_per_program_max": int(torch.bincount(prog).max())}
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """`runtime/kernels/elementwise.py`'s silu_mul in PyTorch ops: gate, up in bf16, SiLU rounded to bf16."""
+    g, u = gu[:, :INTER].float(), gu[:, INTER:].float()
+    act = (g / (1.0 + torch.exp(-g))).to(torch.bfloat16).float()
+    return (act * u).to(torch.bfloat16)
+
+
+def main() -> None:
+    from bench.fast_tools import bench_result, emit, log, time_interleaved
+    from runtime.kernels.elementwise import silu_mul
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=16, help="layers in each chain graph")
+    ap.add_argument("--configs", default="6,4,1,128,0;6,4,1,128,1;3,4,1,128,1;6,4,1,128,1,2",
+                    help="SPLIT,STAGES,EARLY_X,BK,TILED,KSPLIT_A, ';'-separated; missing trailing fields are 0, 64, "
+                         "0, 1. SPLIT: down's K split; EARLY_X: a unit's first activation tiles asked for with its "
+                         "weights when nothing is awaited; BK: K per tile; TILED: weights in `tile_major` order; "
+                         "KSPLIT_A: gate/up's K split")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    out = Path(args.out) if args.out else None
+    m, layers = args.rows, args.layers
+    result = bench_result("dataflow_mlp", sys.argv[1:], dev, rows=m, layers=layers, checks={}, chain={},
+                          traces={})
+    log(f"copy {result['copy_gbps']} GB/s")
+    ws = [(torch.randn(2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02,
+           torch.randn(HIDDEN, INTER, device=dev, dtype=torch.bfloat16) * 0.02) for _ in range(layers)]
+    xs = [torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    layer_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * 2
+    result["weight_bytes_per_layer"] = layer_bytes
+
+    # float32 block of layer 0 and the cuBLAS path's error against it
+    x0, (wgu0, wd0) = xs[0], ws[0]
+    gu32 = x0.float() @ wgu0.float().t()
+    h32 = F.silu(gu32[:, :INTER]) * gu32[:, INTER:]
+    y32 = h32 @ wd0.float().t()
+    h_cublas = silu_mul(F.linear(x0, wgu0))
+    assert torch.equal(h_cublas, silu_mul_ref(F.linear(x0, wgu0)))
+    y_cublas = F.linear(h_cublas, wd0)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return round(float((a.float() - b).norm() / b.norm()), 6)
+
+    result["checks"]["cublas"] = {"h_rel": rel(h_cublas, h32), "y_rel": rel(y_cublas, y32)}
+    defaults = (None, None, 0, 64, 0, 1)  # SPLIT, STAGES, then the fields later runs added
+    configs = []
+    for item in args.configs.split(";"):
+        given = [int(v) for v in item.split(",")]
+        configs.append(tuple(given + list(defaults[len(given):])))
+    variants = {}
+    for split, stages, early_x, bk, tiled, ksplit_a in configs:
+        blk = Block(m, split, stages, bool(early_x), dev, bk, bool(tiled), ksplit_a)
+        wl = [(tile_major(a, bk), tile_major(b, bk)) for a, b in ws] if tiled else ws
+        cnt = torch.zeros(layers, counter_words(split), device=dev, dtype=torch.int32)
+        ys = torch.zeros(layers, m, HIDDEN, device=dev, dtype=torch.bfloat16)
+        for pdl in (False, True):
+            name = (f"dataflow_s{split}_a{ksplit_a}_st{stages}_bk{bk}" + ("_ex" if early_x else "")
+                    + ("_tiled" if tiled else "")
+                    + ("_pdl" if pdl else ""))
+            cnt.zero_()
+            blk.err.zero_()
+            y0 = blk(x0, wl[0][0], wl[0][1], ys[0], cnt[0], pdl)
+            torch.cuda.synchronize()
+            check = {"h_rel": rel(blk.h, h32), "y_rel": rel(y0, y32), "finite": bool(torch.isfinite(y0).all()),
+                     "counters_ok": cnt[0].tolist() == blk.expected_counters(), "polls_ran_out": int(blk.err.item())}
+            check["h_vs_cublas_rel"] = rel(blk.h, h_cublas.float())
+            result["checks"][name] = check
+            log(f"{name}: {check}")
+            ok = (check["finite"] and check["counters_ok"] and check["polls_ran_out"] == 0
+                  and check["y_rel"] < 2 * result["checks"]["cublas"]["y_rel"] + 1e-3 and check["h_rel"] < 1e-2)
+            if not ok:
+                emit(result, out)
+                raise RuntimeError(f"{name}: check failed {check} (expected counters {blk.expected_counters()[:4]}...)")
+            first = y0.clone()
+
+            def step(blk=blk, cnt=cnt, ys=ys, pdl=pdl, wl=wl) -> None:
+                cnt.zero_()
+                for i in range(layers):
+                    blk(xs[i], wl[i][0], wl[i][1], ys[i], cnt[i], pdl)
+
+            step()
+            torch.cuda.synchronize()
+            eager = ys.clone()
+            if not torch.equal(eager[0], first):
+                raise RuntimeError(f"{name}: layer 0 differs between two eager runs")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            for _ in range(3):
+                ys.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(ys, eager) or blk.err.item() != 0:
+                    raise RuntimeError(f"{name}: graph replay differs from the eager run (or a wait ran out)")
+            check["graph_bits_equal"] = True
+            variants[name] = graph.replay
+            traces = torch.zeros(layers, total_units(split, ksplit_a), 4, device=dev, dtype=torch.int64)
+
+            def traced(blk=blk, cnt=cnt, ys=ys, pdl=pdl, traces=traces, wl=wl) -> None:
+                cnt.zero_()
+                for i in range(layers):
+                    blk(xs[i], wl[i][0], wl[i][1], ys[i], cnt[i], pdl, traces[i])
+
+            traced()
+            tgraph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(tgraph):
+                traced()
+            for _ in range(3):
+                tgraph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(ys, eager):
+                raise RuntimeError(f"{name}: the traced graph's outputs differ")
+            result["traces"][name] = trace_summary(traces[layers // 2], INTER // HALF * ksplit_a)
+            log(f"{name} trace: {result['traces'][name]}")
+
+    hs = [torch.empty(m, 2 * INTER, device=dev, dtype=torch.bfloat16)]
+    yc = torch.empty(layers, m, HIDDEN, device=dev, dtype=torch.bfloat16)
+
+    def cublas_step() -> None:
+        for i in range(layers):
+            torch.matmul(silu_mul(torch.matmul(xs[i], ws[i][0].t(), out=hs[0])), ws[i][1].t(), out=yc[i])
+
+    cublas_step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cublas_step()
+    variants = {"cublas": g.replay} | variants
+    timed = time_interleaved(variants, warmup=3, reps=20, rounds=args.rounds)
+    for name, t in timed.items():
+        us = t["median_ms"] * 1e3 / layers
+        result["chain"][name] = {"us_per_layer": round(us, 2), "gbps": round(layer_bytes / us / 1e3, 1),
+                                 "round_us_per_layer": [round(r * 1e3 / layers, 2) for r in t["round_medians_ms"]]}
+    result["floor_us_per_layer"] = round(layer_bytes / result["copy_gbps"] / 1e3, 2)
+    log("chain: " + ", ".join(f"{n} {r['us_per_layer']} us" for n, r in result["chain"].items())
+        + f"; floor {result['floor_us_per_layer']}")
+    emit(result, out)
+
+
+if __name__ == "__main__":
+    main()
