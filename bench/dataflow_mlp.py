@@ -21,7 +21,11 @@ A unit, or its K group is done already), else once the dependency holds. Under P
 first weight tiles before `griddepcontrol.wait`. The operands stream by TMA into an mbarrier ring and
 multiply on wgmma as y^T = W x^T, as in bench/tma_rows.py. TILED reads the weights from a `tile_major` copy,
 in which every 64 x BK box is contiguous. h goes out through the generic proxy and comes back in by TMA (the
-async proxy), so both sides fence the proxies around the release / acquire of the group count.
+async proxy), so both sides fence the proxies around the release / acquire of the group count. WS runs the
+warp-specialized form (`_mlp_ws_kernel`): one load warp takes the units and streams their tiles through
+empty / ready barriers while the four MMA warps multiply and run the epilogues. It hands each unit id to the
+MMA warps through a small ring in the launch's own zeroed words (`launch_words`): a ring shared by all layers
+hung under PDL, when a layer's programs ran beside the previous layer's.
 
 Checks before any timing: h and y of layer 0 against a float32 block (relative error beside cuBLAS's), every
 counter at its expected value (units taken, group counts, arrivals; no wait ran out of polls), and the
@@ -114,6 +118,70 @@ def _load_x(u, t, x_desc, h_desc, bar, xs, NA: gl.constexpr, NT: gl.constexpr, K
 
 
 @gluon.jit
+def _unit_epilogue(u, acc0, acc1, h_ptr, part_ptr, apart_ptr, y_ptr, cnt_ptr, M, out_layout: gl.constexpr,
+                   SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr):
+    """A unit's results: for a gate/up unit, h = silu(gate) * up (after summing its K parts' partials when the
+    last part arrives) and its K group's count released; for a down unit, its float32 partials, and, in the last
+    of the SPLIT parts of its output tile to arrive, their sum in split order as bf16 y."""
+    BM: gl.constexpr = acc0.type.shape[1]
+    NJ: gl.constexpr = INTER_C // HALF_C
+    NA: gl.constexpr = NJ * KSPLIT_A
+    NT: gl.constexpr = HIDDEN_C // (2 * HALF_C)
+    PER_GROUP: gl.constexpr = NJ // SPLIT
+    cols = gl.arange(0, HALF_C, layout=gl.SliceLayout(1, out_layout))
+    m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+    row_ok = m[None, :] < M
+    if u < NA:  # h[:, 64j : 64j + 64] = silu(gate) * up, rounded as silu_mul rounds
+        j = u // KSPLIT_A
+        gate = gl.convert_layout(acc0, out_layout)
+        up = gl.convert_layout(acc1, out_layout)
+        last = 1
+        if KSPLIT_A > 1:  # float32 partials; the last of the K parts to arrive sums them in part order
+            abase = apart_ptr + ((u % KSPLIT_A) * M + m[None, :]) * (2 * INTER_C) + (j * HALF_C + cols)[:, None]
+            gl.store(abase, gate, mask=row_ok)
+            gl.store(abase + INTER_C, up, mask=row_ok)
+            gl.thread_barrier()
+            last = (gl.atomic_add(cnt_ptr + 1 + SPLIT + NT + j, 1, sem="acq_rel", scope="gpu") == KSPLIT_A - 1).to(gl.int32)
+            if last == 1:
+                gl.thread_barrier()
+                gate = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+                up = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+                for ka in gl.static_range(KSPLIT_A):
+                    src = apart_ptr + (ka * M + m[None, :]) * (2 * INTER_C) + (j * HALF_C + cols)[:, None]
+                    gate += gl.load(src, mask=row_ok, other=0.0)
+                    up += gl.load(src + INTER_C, mask=row_ok, other=0.0)
+        if last == 1:
+            gate = gate.to(gl.bfloat16).to(gl.float32)
+            up = up.to(gl.bfloat16).to(gl.float32)
+            act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+            hv = (act * up).to(gl.bfloat16)
+            gl.store(h_ptr + m[None, :] * INTER_C + (j * HALF_C + cols)[:, None], hv, mask=row_ok)
+            _fence_proxy_async_global()
+            gl.thread_barrier()
+            gl.atomic_add(cnt_ptr + 1 + j // PER_GROUP, 1, sem="release", scope="gpu")
+    else:  # float32 partials; the last of the SPLIT units of this output tile sums them
+        b = u - NA
+        nt = b % NT
+        ks = b // NT
+        n0 = nt * (2 * HALF_C) + cols
+        base = part_ptr + (ks * M + m[None, :]) * HIDDEN_C
+        gl.store(base + n0[:, None], gl.convert_layout(acc0, out_layout), mask=row_ok)
+        gl.store(base + (n0 + HALF_C)[:, None], gl.convert_layout(acc1, out_layout), mask=row_ok)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + 1 + SPLIT + nt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            gl.thread_barrier()
+            lo = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+            hi = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
+            for k2 in gl.static_range(SPLIT):
+                src = part_ptr + (k2 * M + m[None, :]) * HIDDEN_C
+                lo += gl.load(src + n0[:, None], mask=row_ok, other=0.0)
+                hi += gl.load(src + (n0 + HALF_C)[:, None], mask=row_ok, other=0.0)
+            dst = y_ptr + m[None, :] * HIDDEN_C
+            gl.store(dst + n0[:, None], lo.to(gl.bfloat16), mask=row_ok)
+            gl.store(dst + (n0 + HALF_C)[:, None], hi.to(gl.bfloat16), mask=row_ok)
+
+@gluon.jit
 def _mlp_kernel(
     wgu_desc, wd_desc, x_desc, h_desc, h_ptr, part_ptr, apart_ptr, y_ptr, cnt_ptr, err_ptr, trace_ptr, M, spin_cap,
     SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr, STAGES: gl.constexpr, EARLY_X: gl.constexpr, TILED: gl.constexpr,
@@ -149,9 +217,6 @@ def _mlp_kernel(
     # [64 weight rows, BM activation rows]: 8 consecutive output columns (16 bytes of bf16) per thread
     out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
                                                 warps_per_cta=[1, num_warps], order=[0, 1])
-    cols = gl.arange(0, HALF_C, layout=gl.SliceLayout(1, out_layout))
-    m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
-    row_ok = m[None, :] < M
 
     u = gl.atomic_add(cnt_ptr, 1)
     for i in gl.static_range(STAGES - 1):  # the first unit's first weight tiles depend on no kernel
@@ -226,55 +291,7 @@ def _mlp_kernel(
                         _load_x(nxt, t - kt, x_desc, h_desc, bars.index(ps), x_smem.index(ps), NA, NT, KB, KSPLIT_A)
             g += 1
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        if u < NA:  # h[:, 64j : 64j + 64] = silu(gate) * up, rounded as silu_mul rounds
-            j = u // KSPLIT_A
-            gate = gl.convert_layout(acc0, out_layout)
-            up = gl.convert_layout(acc1, out_layout)
-            last = 1
-            if KSPLIT_A > 1:  # float32 partials; the last of the K parts to arrive sums them in part order
-                abase = apart_ptr + ((u % KSPLIT_A) * M + m[None, :]) * (2 * INTER_C) + (j * HALF_C + cols)[:, None]
-                gl.store(abase, gate, mask=row_ok)
-                gl.store(abase + INTER_C, up, mask=row_ok)
-                gl.thread_barrier()
-                last = (gl.atomic_add(cnt_ptr + 1 + SPLIT + NT + j, 1, sem="acq_rel", scope="gpu") == KSPLIT_A - 1).to(gl.int32)
-                if last == 1:
-                    gl.thread_barrier()
-                    gate = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
-                    up = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
-                    for ka in gl.static_range(KSPLIT_A):
-                        src = apart_ptr + (ka * M + m[None, :]) * (2 * INTER_C) + (j * HALF_C + cols)[:, None]
-                        gate += gl.load(src, mask=row_ok, other=0.0)
-                        up += gl.load(src + INTER_C, mask=row_ok, other=0.0)
-            if last == 1:
-                gate = gate.to(gl.bfloat16).to(gl.float32)
-                up = up.to(gl.bfloat16).to(gl.float32)
-                act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-                hv = (act * up).to(gl.bfloat16)
-                gl.store(h_ptr + m[None, :] * INTER_C + (j * HALF_C + cols)[:, None], hv, mask=row_ok)
-                _fence_proxy_async_global()
-                gl.thread_barrier()
-                gl.atomic_add(cnt_ptr + 1 + j // PER_GROUP, 1, sem="release", scope="gpu")
-        else:  # float32 partials; the last of the SPLIT units of this output tile sums them
-            b = u - NA
-            nt = b % NT
-            ks = b // NT
-            n0 = nt * (2 * HALF_C) + cols
-            base = part_ptr + (ks * M + m[None, :]) * HIDDEN_C
-            gl.store(base + n0[:, None], gl.convert_layout(acc0, out_layout), mask=row_ok)
-            gl.store(base + (n0 + HALF_C)[:, None], gl.convert_layout(acc1, out_layout), mask=row_ok)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(cnt_ptr + 1 + SPLIT + nt, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                gl.thread_barrier()
-                lo = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
-                hi = gl.zeros([HALF_C, BM], gl.float32, layout=out_layout)
-                for k2 in gl.static_range(SPLIT):
-                    src = part_ptr + (k2 * M + m[None, :]) * HIDDEN_C
-                    lo += gl.load(src + n0[:, None], mask=row_ok, other=0.0)
-                    hi += gl.load(src + (n0 + HALF_C)[:, None], mask=row_ok, other=0.0)
-                dst = y_ptr + m[None, :] * HIDDEN_C
-                gl.store(dst + n0[:, None], lo.to(gl.bfloat16), mask=row_ok)
-                gl.store(dst + (n0 + HALF_C)[:, None], hi.to(gl.bfloat16), mask=row_ok)
+        _unit_epilogue(u, acc0, acc1, h_ptr, part_ptr, apart_ptr, y_ptr, cnt_ptr, M, out_layout, SPLIT, KSPLIT_A)
         if TRACE:
             gl.store(trace_ptr + u * 4 + 3, _now())
         start += kt
@@ -282,6 +299,163 @@ def _mlp_kernel(
         ready = nready
     for s0 in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s0))
+
+
+@gluon.jit
+def _ws_producer(wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty,
+                 cnt_ptr, err_ptr, spin_cap, SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr, UQ: gl.constexpr,
+                 TILED: gl.constexpr, USE_PDL: gl.constexpr):
+    """The load warp of `_mlp_ws_kernel`: takes units from the queue, hands each to the MMA warps through a
+    ring of UQ slots, and streams its tiles into the stage ring as stages come free. A unit whose inputs are
+    not known ready (the first unit, which waits for the previous kernel; a down unit whose K group is not
+    done) gets the weights of its first tiles before that wait and their activations after it."""
+    STAGES: gl.constexpr = ready.type.shape[0]
+    BK_C: gl.constexpr = x_desc.block_type.shape[1]
+    NJ: gl.constexpr = INTER_C // HALF_C
+    NA: gl.constexpr = NJ * KSPLIT_A
+    NT: gl.constexpr = HIDDEN_C // (2 * HALF_C)
+    KB: gl.constexpr = INTER_C // SPLIT
+    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK_C
+    KT_B: gl.constexpr = KB // BK_C
+    PER_GROUP: gl.constexpr = NJ // SPLIT
+    TOTAL: gl.constexpr = NA + NT * SPLIT
+    STAGE_BYTES: gl.constexpr = 2 * wgu_desc.block_type.nbytes + x_desc.block_type.nbytes
+    pid = gl.program_id(0)
+    g = 0
+    slot = 0
+    first = 1
+    go = 1
+    u = gl.atomic_add(cnt_ptr, 1)
+    while go == 1:
+        us = slot % UQ
+        mbarrier.wait(uempty.index(us), ((slot // UQ) & 1) ^ 1)
+        gl.store(ulist_ptr + pid * UQ + us, u)
+        mbarrier.arrive(uready.index(us), count=1)
+        slot += 1
+        if u >= TOTAL:
+            go = 0
+        else:
+            kt = KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+            dep = first
+            if u >= NA:
+                grp = cnt_ptr + 1 + (u - NA) // NT
+                if gl.atomic_add(grp, 0, sem="acquire", scope="gpu") < PER_GROUP:
+                    dep = 1
+                else:
+                    _fence_proxy_async_global()
+            pre = gl.minimum(kt, STAGES) * dep
+            for i in range(pre):
+                st = (g + i) % STAGES
+                mbarrier.wait(empty.index(st), (((g + i) // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(st), STAGE_BYTES)
+                _load_w(u, i, wgu_desc, wd_desc, ready.index(st), w_smem.index(2 * st), w_smem.index(2 * st + 1),
+                        NA, NT, KB, TILED, KSPLIT_A)
+            if dep == 1:
+                if USE_PDL:  # noqa: SIM102 - a constexpr test apart from the runtime one
+                    if first == 1:
+                        _gdc_wait_and_release()
+                if u >= NA:
+                    grp = cnt_ptr + 1 + (u - NA) // NT
+                    seen = gl.load(grp, volatile=True)
+                    polls = 0
+                    while (seen < PER_GROUP) & (polls < spin_cap):
+                        seen = gl.load(grp, volatile=True)
+                        polls += 1
+                    if polls >= spin_cap:
+                        gl.atomic_add(err_ptr, 1)
+                    gl.atomic_add(grp, 0, sem="acquire", scope="gpu")
+                    _fence_proxy_async_global()
+            for i in range(pre):
+                st = (g + i) % STAGES
+                _load_x(u, i, x_desc, h_desc, ready.index(st), x_smem.index(st), NA, NT, KB, KSPLIT_A)
+            for t in range(pre, kt):
+                st = (g + t) % STAGES
+                mbarrier.wait(empty.index(st), (((g + t) // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(st), STAGE_BYTES)
+                _load_w(u, t, wgu_desc, wd_desc, ready.index(st), w_smem.index(2 * st), w_smem.index(2 * st + 1),
+                        NA, NT, KB, TILED, KSPLIT_A)
+                _load_x(u, t, x_desc, h_desc, ready.index(st), x_smem.index(st), NA, NT, KB, KSPLIT_A)
+            g += kt
+            first = 0
+            u = gl.atomic_add(cnt_ptr, 1)
+
+
+@gluon.jit
+def _ws_consumer(w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty, h_ptr, part_ptr, apart_ptr, y_ptr,
+                 cnt_ptr, M, SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr, UQ: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA warps of `_mlp_ws_kernel`: each unit's products from the stage ring (a stage is handed back as
+    soon as its products are done), then the unit's epilogue while the load warp streams on."""
+    STAGES: gl.constexpr = ready.type.shape[0]
+    BM: gl.constexpr = x_smem.type.shape[1]
+    BK_C: gl.constexpr = x_smem.type.shape[2]
+    NA: gl.constexpr = INTER_C // HALF_C * KSPLIT_A
+    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK_C
+    KT_B: gl.constexpr = INTER_C // SPLIT // BK_C
+    TOTAL: gl.constexpr = NA + HIDDEN_C // (2 * HALF_C) * SPLIT
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BM, 16])
+    out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
+                                                warps_per_cta=[1, num_warps], order=[0, 1])
+    pid = gl.program_id(0)
+    g = 0
+    slot = 0
+    go = 1
+    while go == 1:
+        us = slot % UQ
+        mbarrier.wait(uready.index(us), (slot // UQ) & 1)
+        u = gl.load(ulist_ptr + pid * UQ + us, volatile=True)
+        mbarrier.arrive(uempty.index(us), count=1)
+        slot += 1
+        if u >= TOTAL:
+            go = 0
+        else:
+            kt = KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+            acc0 = gl.zeros([HALF_C, BM], gl.float32, layout=mma_layout)
+            acc1 = gl.zeros([HALF_C, BM], gl.float32, layout=mma_layout)
+            for kk in range(kt):
+                cs = g % STAGES
+                mbarrier.wait(ready.index(cs), (g // STAGES) & 1)
+                xt = x_smem.index(cs).permute((1, 0))
+                acc0 = warpgroup_mma(w_smem.index(2 * cs), xt, acc0, use_acc=kk > 0, is_async=True)
+                acc1 = warpgroup_mma(w_smem.index(2 * cs + 1), xt, acc1, use_acc=kk > 0, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                if kk > 0:  # the previous tile's products are done: its stage goes back to the load warp
+                    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+                g += 1
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            _unit_epilogue(u, acc0, acc1, h_ptr, part_ptr, apart_ptr, y_ptr, cnt_ptr, M, out_layout, SPLIT, KSPLIT_A)
+
+
+@gluon.jit
+def _mlp_ws_kernel(
+    wgu_desc, wd_desc, x_desc, h_desc, h_ptr, part_ptr, apart_ptr, y_ptr, cnt_ptr, err_ptr, ulist_ptr, M, spin_cap,
+    SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr, STAGES: gl.constexpr, UQ: gl.constexpr, TILED: gl.constexpr,
+    USE_PDL: gl.constexpr, num_warps: gl.constexpr,
+):
+    """`_mlp_kernel`'s block, warp-specialized: one load warp (`_ws_producer`) streams every unit's tiles while
+    the MMA warps (`_ws_consumer`) multiply and run the epilogues, so the weight stream does not stop at a
+    unit's end. ulist [grid, UQ] int32 carries the unit ids from the load warp to the MMA warps."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK_C: gl.constexpr = x_desc.block_type.shape[1]
+    w_smem = gl.allocate_shared_memory(wgu_desc.dtype, [2 * STAGES, HALF_C, BK_C], wgu_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK_C], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    uready = gl.allocate_shared_memory(gl.int64, [UQ, 1], mbarrier.MBarrierLayout())
+    uempty = gl.allocate_shared_memory(gl.int64, [UQ, 1], mbarrier.MBarrierLayout())
+    for s0 in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s0), count=1)
+        mbarrier.init(empty.index(s0), count=1)
+    for s0 in gl.static_range(UQ):
+        mbarrier.init(uready.index(s0), count=1)
+        mbarrier.init(uempty.index(s0), count=1)
+    gl.warp_specialize([
+        (_ws_consumer, (w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty, h_ptr, part_ptr, apart_ptr, y_ptr,
+                        cnt_ptr, M, SPLIT, KSPLIT_A, UQ, num_warps)),
+        (_ws_producer, (wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty,
+                        cnt_ptr, err_ptr, spin_cap, SPLIT, KSPLIT_A, UQ, TILED, USE_PDL)),
+    ], [1], [48])
 
 
 _DESCS: dict[tuple, TensorDescriptor] = {}
@@ -310,8 +484,17 @@ def counter_words(split: int) -> int:
     return 1 + split + HIDDEN // (2 * HALF) + INTER // HALF
 
 
+def launch_words(split: int, programs: int) -> int:
+    """int32 words one launch needs zeroed: its counters, then (warp-specialized kernel) each program's ring of
+    unit ids, which must be the launch's own: under PDL the next layer's programs run beside this one's."""
+    return counter_words(split) + programs * WS_SLOTS
+
+
 def total_units(split: int, ksplit_a: int) -> int:
     return INTER // HALF * ksplit_a + HIDDEN // (2 * HALF) * split
+
+
+WS_SLOTS = 2  # unit ids in flight from the warp-specialized kernel's load warp to its MMA warps
 
 
 class Block:
@@ -319,7 +502,7 @@ class Block:
     layer of a step; each launch gets its own zeroed counters."""
 
     def __init__(self, m: int, split: int, stages: int, early_x: bool, device: torch.device, bk: int = 64,
-                 tiled: bool = False, ksplit_a: int = 1, spin_cap: int = 1 << 22) -> None:
+                 tiled: bool = False, ksplit_a: int = 1, ws: bool = False, spin_cap: int = 1 << 22) -> None:
         assert 0 < m <= 64 and INTER % (HALF * split) == 0 and (INTER // split) // bk >= stages - 1
         self.m, self.split, self.stages, self.early_x, self.bk, self.spin_cap = m, split, stages, early_x, bk, spin_cap
         self.tiled = tiled  # weights given as `tile_major` copies
@@ -330,21 +513,31 @@ class Block:
         self.part = torch.empty(split, m, HIDDEN, device=device, dtype=torch.float32)
         self.err = torch.zeros(1, device=device, dtype=torch.int32)
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+        self.ws = ws  # the warp-specialized kernel (a load warp beside the MMA warps; no trace, no EARLY_X)
 
     def __call__(self, x: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor, y: torch.Tensor,
                  counters: torch.Tensor, pdl: bool, trace: torch.Tensor | None = None) -> torch.Tensor:
-        """y[m, HIDDEN] = down(silu(gate) * up) of x; `counters` (counter_words(split) int32) must be zero;
+        """y[m, HIDDEN] = down(silu(gate) * up) of x; `counters` (launch_words(split, grid) int32) must be zero;
         `trace` (int64 [total_units, 4]): each unit's program and timestamps."""
         assert x.shape == (self.m, HIDDEN) and w_gu.numel() == 2 * INTER * HIDDEN and w_d.numel() == HIDDEN * INTER
         assert (w_gu.shape[1], w_d.shape[1]) == ((self.bk, self.bk) if self.tiled else (HIDDEN, INTER))
-        assert counters.numel() == counter_words(self.split) and all(
+        assert counters.numel() == launch_words(self.split, self.grid) and all(
             t.is_contiguous() for t in (x, w_gu, w_d, y, counters))
+        descs = (_desc(w_gu, [HALF, self.bk]), _desc(w_d, [HALF, self.bk]), _desc(x, [64, self.bk]),
+                 _desc(self.h, [64, self.bk]))
+        if self.ws:
+            assert trace is None
+            _mlp_ws_kernel[(self.grid,)](
+                *descs, self.h, self.part, self.apart, y, counters, self.err, counters[counter_words(self.split):],
+                self.m, self.spin_cap,
+                SPLIT=self.split, KSPLIT_A=self.ksplit_a, STAGES=self.stages, UQ=WS_SLOTS, TILED=self.tiled,
+                USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+            )
+            return y
         _mlp_kernel[(self.grid,)](
-            _desc(w_gu, [HALF, self.bk]), _desc(w_d, [HALF, self.bk]), _desc(x, [64, self.bk]),
-            _desc(self.h, [64, self.bk]),
-            self.h, self.part, self.apart, y, counters, self.err, self.err if trace is None else trace, self.m, self.spin_cap,
-            SPLIT=self.split, KSPLIT_A=self.ksplit_a, STAGES=self.stages, EARLY_X=self.early_x, TILED=self.tiled, USE_PDL=pdl, TRACE=trace is not None,
-            num_warps=4, launch_pdl=pdl,
+            *descs, self.h, self.part, self.apart, y, counters, self.err, self.err if trace is None else trace,
+            self.m, self.spin_cap, SPLIT=self.split, KSPLIT_A=self.ksplit_a, STAGES=self.stages,
+            EARLY_X=self.early_x, TILED=self.tiled, USE_PDL=pdl, TRACE=trace is not None, num_warps=4, launch_pdl=pdl,
         )
         return y
 
@@ -393,10 +586,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--layers", type=int, default=16, help="layers in each chain graph")
     ap.add_argument("--configs", default="6,4,1,128,0;6,4,1,128,1;3,4,1,128,1;6,4,1,128,1,2",
-                    help="SPLIT,STAGES,EARLY_X,BK,TILED,KSPLIT_A, ';'-separated; missing trailing fields are 0, 64, "
-                         "0, 1. SPLIT: down's K split; EARLY_X: a unit's first activation tiles asked for with its "
-                         "weights when nothing is awaited; BK: K per tile; TILED: weights in `tile_major` order; "
-                         "KSPLIT_A: gate/up's K split")
+                    help="SPLIT,STAGES,EARLY_X,BK,TILED,KSPLIT_A,WS, ';'-separated; missing trailing fields are 0, "
+                         "64, 0, 1, 0. SPLIT: down's K split; EARLY_X: a unit's first activation tiles asked for with "
+                         "its weights when nothing is awaited; BK: K per tile; TILED: weights in `tile_major` order; "
+                         "KSPLIT_A: gate/up's K split; WS: the warp-specialized kernel")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -426,27 +619,28 @@ def main() -> None:
         return round(float((a.float() - b).norm() / b.norm()), 6)
 
     result["checks"]["cublas"] = {"h_rel": rel(h_cublas, h32), "y_rel": rel(y_cublas, y32)}
-    defaults = (None, None, 0, 64, 0, 1)  # SPLIT, STAGES, then the fields later runs added
+    defaults = (None, None, 0, 64, 0, 1, 0)  # SPLIT, STAGES, then the fields later runs added
     configs = []
     for item in args.configs.split(";"):
         given = [int(v) for v in item.split(",")]
         configs.append(tuple(given + list(defaults[len(given):])))
     variants = {}
-    for split, stages, early_x, bk, tiled, ksplit_a in configs:
-        blk = Block(m, split, stages, bool(early_x), dev, bk, bool(tiled), ksplit_a)
+    for split, stages, early_x, bk, tiled, ksplit_a, ws_on in configs:
+        blk = Block(m, split, stages, bool(early_x), dev, bk, bool(tiled), ksplit_a, bool(ws_on))
         wl = [(tile_major(a, bk), tile_major(b, bk)) for a, b in ws] if tiled else ws
-        cnt = torch.zeros(layers, counter_words(split), device=dev, dtype=torch.int32)
+        cnt = torch.zeros(layers, launch_words(split, blk.grid), device=dev, dtype=torch.int32)
         ys = torch.zeros(layers, m, HIDDEN, device=dev, dtype=torch.bfloat16)
         for pdl in (False, True):
             name = (f"dataflow_s{split}_a{ksplit_a}_st{stages}_bk{bk}" + ("_ex" if early_x else "")
-                    + ("_tiled" if tiled else "")
+                    + ("_tiled" if tiled else "") + ("_ws" if ws_on else "")
                     + ("_pdl" if pdl else ""))
             cnt.zero_()
             blk.err.zero_()
             y0 = blk(x0, wl[0][0], wl[0][1], ys[0], cnt[0], pdl)
             torch.cuda.synchronize()
             check = {"h_rel": rel(blk.h, h32), "y_rel": rel(y0, y32), "finite": bool(torch.isfinite(y0).all()),
-                     "counters_ok": cnt[0].tolist() == blk.expected_counters(), "polls_ran_out": int(blk.err.item())}
+                     "counters_ok": cnt[0, :counter_words(split)].tolist() == blk.expected_counters(),
+                     "polls_ran_out": int(blk.err.item())}
             check["h_vs_cublas_rel"] = rel(blk.h, h_cublas.float())
             result["checks"][name] = check
             log(f"{name}: {check}")
@@ -478,6 +672,8 @@ def main() -> None:
                     raise RuntimeError(f"{name}: graph replay differs from the eager run (or a wait ran out)")
             check["graph_bits_equal"] = True
             variants[name] = graph.replay
+            if ws_on:
+                continue
             traces = torch.zeros(layers, total_units(split, ksplit_a), 4, device=dev, dtype=torch.int64)
 
             def traced(blk=blk, cnt=cnt, ys=ys, pdl=pdl, traces=traces, wl=wl) -> None:

@@ -347,6 +347,28 @@ def test_the_dataflow_mlp_asks_for_weights_before_the_pdl_wait_and_publishes_h_t
     assert sum("wgmma.mma_async" in line for line in lines) > 0
 
 
+def test_the_warp_specialized_dataflow_mlp_compiles_with_a_load_warp_that_streams_weights_before_the_wait() -> None:
+    """bench/dataflow_mlp.py's `_mlp_ws_kernel`: warp-specialized (register reallocation between the
+    partitions), and the load warp's first weight copies come before its `griddepcontrol.wait`."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench import dataflow_mlp
+
+    desc = {name: f"tensordesc<bf16[64, 128],{gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)!r}>"
+            for name in ("wgu_desc", "wd_desc", "x_desc", "h_desc")}
+    consts = {"SPLIT": 3, "KSPLIT_A": 1, "STAGES": 4, "UQ": 2, "TILED": True, "USE_PDL": True, "num_warps": 4}
+    sig = desc | {"h_ptr": "*bf16", "part_ptr": "*fp32", "apart_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32",
+                  "err_ptr": "*i32", "ulist_ptr": "*i32", "M": "i32", "spin_cap": "i32"}
+    sig |= {name: "constexpr" for name in consts}
+    src = GluonASTSource(fn=dataflow_mlp._mlp_ws_kernel, signature=sig, constexprs=consts)
+    ptx = triton.compile(src, target=HOPPER, options={"num_warps": 4}).asm["ptx"]
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.2d" in line]
+    assert "setmaxnreg" in ptx and len(wait) == 1 and copies[0] < wait[0] < copies[-1]
+
+
 def test_every_kernel_compiles_for_ada_without_pdl() -> None:
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
