@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from bench.tma_rows import _desc, _gdc_wait_and_release
 
 HIDDEN, INTER = 4096, 12288
 HALF = 64  # weight rows per half tile (wgmma's M); K per tile (BK) is the descriptors' block width
@@ -57,17 +58,38 @@ HIDDEN_C, INTER_C, HALF_C = (gl.constexpr(v) for v in (HIDDEN, INTER, HALF))
 
 
 @gluon.jit
-def _gdc_wait_and_release():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _fence_proxy_async_global():
     """Order this thread's generic-proxy global accesses with its async-proxy (TMA) ones."""
     gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
+
+
+@gluon.jit
+def _wait_group(grp, target, err_ptr, spin_cap, CTA_SYNC: gl.constexpr):
+    """Poll a K group's count (volatile loads) until it reaches `target`, counting in err[0] a wait that ran out
+    of `spin_cap` polls; then acquire it and order the TMA copies that follow after it. CTA_SYNC: other threads
+    of the program issue those copies (a barrier after the one thread's acquire)."""
+    seen = gl.load(grp, volatile=True)
+    polls = 0
+    while (seen < target) & (polls < spin_cap):
+        seen = gl.load(grp, volatile=True)
+        polls += 1
+    if polls >= spin_cap:
+        gl.atomic_add(err_ptr, 1)
+    gl.atomic_add(grp, 0, sem="acquire", scope="gpu")
+    if CTA_SYNC:
+        gl.thread_barrier()
+    _fence_proxy_async_global()
+
+
+@gluon.jit
+def _mma_tile(w_smem, x_smem, cs, acc0, acc1, kk):
+    """Stage cs's products into both accumulators (y^T = W x^T for each weight half), then wait until at most
+    these two are outstanding: the previous tile's are done and its stage may be refilled."""
+    xt = x_smem.index(cs).permute((1, 0))
+    acc0 = warpgroup_mma(w_smem.index(2 * cs), xt, acc0, use_acc=kk > 0, is_async=True)
+    acc1 = warpgroup_mma(w_smem.index(2 * cs + 1), xt, acc1, use_acc=kk > 0, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
 
 
 @gluon.jit
@@ -236,17 +258,7 @@ def _mlp_kernel(
             gl.store(trace_ptr + u * 4 + 1, _now())
         if ready == 0:
             if u >= NA:  # a B unit reads h: wait until its K group's A units are done
-                grp = cnt_ptr + 1 + (u - NA) // NT
-                seen = gl.load(grp, volatile=True)
-                polls = 0
-                while (seen < PER_GROUP) & (polls < spin_cap):
-                    seen = gl.load(grp, volatile=True)
-                    polls += 1
-                if polls >= spin_cap:
-                    gl.atomic_add(err_ptr, 1)
-                gl.atomic_add(grp, 0, sem="acquire", scope="gpu")
-                gl.thread_barrier()  # the acquire (one thread's) before any thread's TMA copy
-                _fence_proxy_async_global()
+                _wait_group(cnt_ptr + 1 + (u - NA) // NT, PER_GROUP, err_ptr, spin_cap, True)
             for i in gl.static_range(STAGES - 1):  # activations of the tiles whose weights were asked for
                 sx = (start + i) % STAGES
                 _load_x(u, i, x_desc, h_desc, bars.index(sx), x_smem.index(sx), NA, NT, KB, KSPLIT_A)
@@ -259,11 +271,8 @@ def _mlp_kernel(
         for kk in range(kt):
             cs = g % STAGES
             mbarrier.wait(bars.index(cs), (g // STAGES) & 1)
-            xt = x_smem.index(cs).permute((1, 0))
-            acc0 = warpgroup_mma(w_smem.index(2 * cs), xt, acc0, use_acc=kk > 0, is_async=True)
-            acc1 = warpgroup_mma(w_smem.index(2 * cs + 1), xt, acc1, use_acc=kk > 0, is_async=True)
             # the previous tile's products are done: its stage is free for tile g + STAGES - 1
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            acc0, acc1 = _mma_tile(w_smem, x_smem, cs, acc0, acc1, kk)
             t = kk + STAGES - 1
             ps = (g + STAGES - 1) % STAGES
             if t < kt:
@@ -355,16 +364,7 @@ def _ws_producer(wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty
                     if first == 1:
                         _gdc_wait_and_release()
                 if u >= NA:
-                    grp = cnt_ptr + 1 + (u - NA) // NT
-                    seen = gl.load(grp, volatile=True)
-                    polls = 0
-                    while (seen < PER_GROUP) & (polls < spin_cap):
-                        seen = gl.load(grp, volatile=True)
-                        polls += 1
-                    if polls >= spin_cap:
-                        gl.atomic_add(err_ptr, 1)
-                    gl.atomic_add(grp, 0, sem="acquire", scope="gpu")
-                    _fence_proxy_async_global()
+                    _wait_group(cnt_ptr + 1 + (u - NA) // NT, PER_GROUP, err_ptr, spin_cap, False)
             for i in range(pre):
                 st = (g + i) % STAGES
                 _load_x(u, i, x_desc, h_desc, ready.index(st), x_smem.index(st), NA, NT, KB, KSPLIT_A)
@@ -415,10 +415,7 @@ def _ws_consumer(w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty, h_ptr,
             for kk in range(kt):
                 cs = g % STAGES
                 mbarrier.wait(ready.index(cs), (g // STAGES) & 1)
-                xt = x_smem.index(cs).permute((1, 0))
-                acc0 = warpgroup_mma(w_smem.index(2 * cs), xt, acc0, use_acc=kk > 0, is_async=True)
-                acc1 = warpgroup_mma(w_smem.index(2 * cs + 1), xt, acc1, use_acc=kk > 0, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                acc0, acc1 = _mma_tile(w_smem, x_smem, cs, acc0, acc1, kk)
                 if kk > 0:  # the previous tile's products are done: its stage goes back to the load warp
                     mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
                 g += 1
@@ -456,19 +453,6 @@ def _mlp_ws_kernel(
         (_ws_producer, (wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty,
                         cnt_ptr, err_ptr, spin_cap, SPLIT, KSPLIT_A, UQ, TILED, USE_PDL)),
     ], [1], [48])
-
-
-_DESCS: dict[tuple, TensorDescriptor] = {}
-
-
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A host TMA descriptor of contiguous 2-D `t` with `block` tiles (cached: graphs reuse the buffers)."""
-    key = (t.data_ptr(), tuple(t.shape), tuple(block), t.dtype)
-    d = _DESCS.get(key)
-    if d is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        d = _DESCS[key] = TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-    return d
 
 
 def tile_major(w: torch.Tensor, bk: int) -> torch.Tensor:
