@@ -462,6 +462,9 @@ def tile_major(w: torch.Tensor, bk: int) -> torch.Tensor:
     return w.view(n // HALF, HALF, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
 
 
+WS_SLOTS = 2  # unit ids in flight from the warp-specialized kernel's load warp to its MMA warps
+
+
 def counter_words(split: int) -> int:
     """int32 counters of one block: units taken, the K groups' h tiles done, each output tile's arrivals, each
     h tile's arrivals (its K parts)."""
@@ -475,10 +478,8 @@ def launch_words(split: int, programs: int) -> int:
 
 
 def total_units(split: int, ksplit_a: int) -> int:
+    """Work units of one block: gate/up's (64 intermediate columns x its K parts), then down's."""
     return INTER // HALF * ksplit_a + HIDDEN // (2 * HALF) * split
-
-
-WS_SLOTS = 2  # unit ids in flight from the warp-specialized kernel's load warp to its MMA warps
 
 
 class Block:
