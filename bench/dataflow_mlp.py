@@ -50,7 +50,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from bench.tma_rows import _desc, _gdc_wait_and_release
+from bench.tma_rows import _desc, _gdc_wait_and_release, _w_box, tile_major_copy
 
 HIDDEN, INTER = 4096, 12288
 HALF = 64  # weight rows per half tile (wgmma's M); K per tile (BK) is the descriptors' block width
@@ -83,6 +83,34 @@ def _wait_group(grp, target, err_ptr, spin_cap, CTA_SYNC: gl.constexpr):
 
 
 @gluon.jit
+def _unit_tiles(u, SPLIT: gl.constexpr, KSPLIT_A: gl.constexpr, BK: gl.constexpr):
+    """K tiles of unit u: a gate/up unit spans HIDDEN / KSPLIT_A, a down unit INTER / SPLIT."""
+    NA: gl.constexpr = INTER_C // HALF_C * KSPLIT_A
+    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK
+    KT_B: gl.constexpr = INTER_C // SPLIT // BK
+    return KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+
+
+@gluon.jit
+def _group_counter(cnt_ptr, u, KSPLIT_A: gl.constexpr):
+    """The counter of h tiles done in the K group that down unit u reads."""
+    return cnt_ptr + 1 + (u - INTER_C // HALF_C * KSPLIT_A) // (HIDDEN_C // (2 * HALF_C))
+
+
+@gluon.jit
+def _group_done(grp, target, CTA_SYNC: gl.constexpr):
+    """1 if a K group's count has reached `target` (acquired, and the TMA copies that follow ordered after it),
+    else 0; no waiting. CTA_SYNC as in `_wait_group`."""
+    done = 0
+    if gl.atomic_add(grp, 0, sem="acquire", scope="gpu") >= target:
+        if CTA_SYNC:
+            gl.thread_barrier()
+        _fence_proxy_async_global()
+        done = 1
+    return done
+
+
+@gluon.jit
 def _mma_tile(w_smem, x_smem, cs, acc0, acc1, kk):
     """Stage cs's products into both accumulators (y^T = W x^T for each weight half), then wait until at most
     these two are outstanding: the previous tile's are done and its stage may be refilled."""
@@ -99,17 +127,6 @@ def _now():
 
 
 @gluon.jit
-def _w_at(desc, row, k, TILED: gl.constexpr, K: gl.constexpr):
-    """Coordinates of the [64, BK] weight box at (row, k) of a [N, K] matrix: the matrix itself, or (TILED) its
-    tile-major copy (`tile_major`: every box 64 x BK contiguous, boxes K-major within a 64-row band)."""
-    BK_C: gl.constexpr = desc.block_type.shape[1]
-    if TILED:
-        return [((row // HALF_C) * (K // BK_C) + k // BK_C) * HALF_C, 0]
-    else:
-        return [row, k]
-
-
-@gluon.jit
 def _load_w(u, t, wgu_desc, wd_desc, bar, w0, w1, NA: gl.constexpr, NT: gl.constexpr, KB: gl.constexpr,
             TILED: gl.constexpr, KSPLIT_A: gl.constexpr):
     """Unit u's two weight half tiles of its K tile t: gate and up rows (A), or two 64-row halves of down's
@@ -118,14 +135,14 @@ def _load_w(u, t, wgu_desc, wd_desc, bar, w0, w1, NA: gl.constexpr, NT: gl.const
     if u < NA:  # A unit u: 64 intermediate columns u // KSPLIT_A over K part u % KSPLIT_A
         j = u // KSPLIT_A
         k = (u % KSPLIT_A) * (HIDDEN_C // KSPLIT_A) + t * BK_C
-        tma.async_copy_global_to_shared(wgu_desc, _w_at(wgu_desc, j * HALF_C, k, TILED, HIDDEN_C), bar, w0)
-        tma.async_copy_global_to_shared(wgu_desc, _w_at(wgu_desc, INTER_C + j * HALF_C, k, TILED, HIDDEN_C), bar, w1)
+        tma.async_copy_global_to_shared(wgu_desc, _w_box(j * HALF_C, k, HIDDEN_C, HALF_C, BK_C, TILED), bar, w0)
+        tma.async_copy_global_to_shared(wgu_desc, _w_box(INTER_C + j * HALF_C, k, HIDDEN_C, HALF_C, BK_C, TILED), bar, w1)
     else:
         b = u - NA
         row = (b % NT) * (2 * HALF_C)
         k = (b // NT) * KB + t * BK_C
-        tma.async_copy_global_to_shared(wd_desc, _w_at(wd_desc, row, k, TILED, INTER_C), bar, w0)
-        tma.async_copy_global_to_shared(wd_desc, _w_at(wd_desc, row + HALF_C, k, TILED, INTER_C), bar, w1)
+        tma.async_copy_global_to_shared(wd_desc, _w_box(row, k, INTER_C, HALF_C, BK_C, TILED), bar, w0)
+        tma.async_copy_global_to_shared(wd_desc, _w_box(row + HALF_C, k, INTER_C, HALF_C, BK_C, TILED), bar, w1)
 
 
 @gluon.jit
@@ -210,23 +227,22 @@ def _mlp_kernel(
     USE_PDL: gl.constexpr,
     TRACE: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """y = down(silu(x Wg^T) * (x Wu^T)) for M <= 64 rows (module docstring). cnt: [0] units taken, [1 + g]
-    A units done in K group g, [1 + SPLIT + nt] B units arrived at output tile nt; err[0] counts waits that
-    ran out of polls. TRACE: trace[u] = (program, start, activations asked for, end) in ns of each unit."""
+    """y = down(silu(x Wg^T) * (x Wu^T)) for M <= 64 rows (module docstring). cnt (`counter_words`): [0] units
+    taken, [1 + g] h tiles done in K group g, [1 + SPLIT + nt] down units arrived at output tile nt, then
+    each h tile's gate/up parts arrived (KSPLIT_A > 1); err[0] counts waits that ran out of polls. TRACE:
+    trace[u] = (program, start, activations asked for, end) in ns of each unit."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK_C: gl.constexpr = x_desc.block_type.shape[1]
     NJ: gl.constexpr = INTER_C // HALF_C  # h tiles of 64 intermediate columns
     NA: gl.constexpr = NJ * KSPLIT_A  # A units
     NT: gl.constexpr = HIDDEN_C // (2 * HALF_C)  # down's output tiles
     KB: gl.constexpr = INTER_C // SPLIT  # a B unit's K range
-    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK_C
-    KT_B: gl.constexpr = KB // BK_C
     PER_GROUP: gl.constexpr = NJ // SPLIT  # h tiles per K group of down
     TOTAL: gl.constexpr = NA + NT * SPLIT
     STAGE_BYTES: gl.constexpr = 2 * wgu_desc.block_type.nbytes + x_desc.block_type.nbytes
-    gl.static_assert(KT_B >= STAGES - 1)
+    gl.static_assert(KB // BK_C >= STAGES - 1)
     gl.static_assert(NJ % SPLIT == 0)
-    gl.static_assert(KT_A >= STAGES - 1)
+    gl.static_assert(HIDDEN_C // KSPLIT_A // BK_C >= STAGES - 1)
 
     w_smem = gl.allocate_shared_memory(wgu_desc.dtype, [2 * STAGES, HALF_C, BK_C], wgu_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK_C], x_desc.layout)
@@ -252,13 +268,13 @@ def _mlp_kernel(
     start = 0  # g at the current unit's first tile
     ready = 0  # whether the current unit's first activation tiles were asked for with their weights
     while u < TOTAL:
-        kt = KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+        kt = _unit_tiles(u, SPLIT, KSPLIT_A, BK_C)
         if TRACE:
             gl.store(trace_ptr + u * 4, gl.program_id(0).to(gl.int64))
             gl.store(trace_ptr + u * 4 + 1, _now())
         if ready == 0:
             if u >= NA:  # a B unit reads h: wait until its K group's A units are done
-                _wait_group(cnt_ptr + 1 + (u - NA) // NT, PER_GROUP, err_ptr, spin_cap, True)
+                _wait_group(_group_counter(cnt_ptr, u, KSPLIT_A), PER_GROUP, err_ptr, spin_cap, True)
             for i in gl.static_range(STAGES - 1):  # activations of the tiles whose weights were asked for
                 sx = (start + i) % STAGES
                 _load_x(u, i, x_desc, h_desc, bars.index(sx), x_smem.index(sx), NA, NT, KB, KSPLIT_A)
@@ -287,11 +303,7 @@ def _mlp_kernel(
                         if nxt < NA:  # x was ready before this program's first tile
                             nready = 1
                         if (nxt >= NA) & (nxt < TOTAL):  # h of its K group, if already done (no waiting)
-                            done = gl.atomic_add(cnt_ptr + 1 + (nxt - NA) // NT, 0, sem="acquire", scope="gpu")
-                            if done >= PER_GROUP:
-                                gl.thread_barrier()
-                                _fence_proxy_async_global()
-                                nready = 1
+                            nready = _group_done(_group_counter(cnt_ptr, nxt, KSPLIT_A), PER_GROUP, True)
                 if nxt < TOTAL:
                     mbarrier.expect(bars.index(ps), STAGE_BYTES)
                     _load_w(nxt, t - kt, wgu_desc, wd_desc, bars.index(ps), w_smem.index(2 * ps),
@@ -324,8 +336,6 @@ def _ws_producer(wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty
     NA: gl.constexpr = NJ * KSPLIT_A
     NT: gl.constexpr = HIDDEN_C // (2 * HALF_C)
     KB: gl.constexpr = INTER_C // SPLIT
-    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK_C
-    KT_B: gl.constexpr = KB // BK_C
     PER_GROUP: gl.constexpr = NJ // SPLIT
     TOTAL: gl.constexpr = NA + NT * SPLIT
     STAGE_BYTES: gl.constexpr = 2 * wgu_desc.block_type.nbytes + x_desc.block_type.nbytes
@@ -344,14 +354,11 @@ def _ws_producer(wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty
         if u >= TOTAL:
             go = 0
         else:
-            kt = KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+            kt = _unit_tiles(u, SPLIT, KSPLIT_A, BK_C)
             dep = first
-            if u >= NA:
-                grp = cnt_ptr + 1 + (u - NA) // NT
-                if gl.atomic_add(grp, 0, sem="acquire", scope="gpu") < PER_GROUP:
+            if u >= NA:  # noqa: SIM102 - the group is tested only for a down unit
+                if _group_done(_group_counter(cnt_ptr, u, KSPLIT_A), PER_GROUP, False) == 0:
                     dep = 1
-                else:
-                    _fence_proxy_async_global()
             pre = gl.minimum(kt, STAGES) * dep
             for i in range(pre):
                 st = (g + i) % STAGES
@@ -364,7 +371,7 @@ def _ws_producer(wgu_desc, wd_desc, x_desc, h_desc, w_smem, x_smem, ready, empty
                     if first == 1:
                         _gdc_wait_and_release()
                 if u >= NA:
-                    _wait_group(cnt_ptr + 1 + (u - NA) // NT, PER_GROUP, err_ptr, spin_cap, False)
+                    _wait_group(_group_counter(cnt_ptr, u, KSPLIT_A), PER_GROUP, err_ptr, spin_cap, False)
             for i in range(pre):
                 st = (g + i) % STAGES
                 _load_x(u, i, x_desc, h_desc, ready.index(st), x_smem.index(st), NA, NT, KB, KSPLIT_A)
@@ -388,10 +395,7 @@ def _ws_consumer(w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty, h_ptr,
     STAGES: gl.constexpr = ready.type.shape[0]
     BM: gl.constexpr = x_smem.type.shape[1]
     BK_C: gl.constexpr = x_smem.type.shape[2]
-    NA: gl.constexpr = INTER_C // HALF_C * KSPLIT_A
-    KT_A: gl.constexpr = HIDDEN_C // KSPLIT_A // BK_C
-    KT_B: gl.constexpr = INTER_C // SPLIT // BK_C
-    TOTAL: gl.constexpr = NA + HIDDEN_C // (2 * HALF_C) * SPLIT
+    TOTAL: gl.constexpr = INTER_C // HALF_C * KSPLIT_A + HIDDEN_C // (2 * HALF_C) * SPLIT
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BM, 16])
     out_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
@@ -409,7 +413,7 @@ def _ws_consumer(w_smem, x_smem, ready, empty, ulist_ptr, uready, uempty, h_ptr,
         if u >= TOTAL:
             go = 0
         else:
-            kt = KT_B + (KT_A - KT_B) * (u < NA).to(gl.int32)
+            kt = _unit_tiles(u, SPLIT, KSPLIT_A, BK_C)
             acc0 = gl.zeros([HALF_C, BM], gl.float32, layout=mma_layout)
             acc1 = gl.zeros([HALF_C, BM], gl.float32, layout=mma_layout)
             for kk in range(kt):
@@ -456,10 +460,9 @@ def _mlp_ws_kernel(
 
 
 def tile_major(w: torch.Tensor, bk: int) -> torch.Tensor:
-    """[N, K] -> the same weights as [N / 64 * K / bk * 64, bk]: band of 64 rows by band, K tile by K tile,
-    each 64 x bk box contiguous (16 KB at bk = 128), so a TMA box is one sequential read."""
-    n, k = w.shape
-    return w.view(n // HALF, HALF, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
+    """The weights in 64-row bands of 64 x bk contiguous boxes (bench/tma_rows.py's `tile_major_copy`; 16 KB a
+    box at bk = 128)."""
+    return tile_major_copy(w, HALF, bk)
 
 
 WS_SLOTS = 2  # unit ids in flight from the warp-specialized kernel's load warp to its MMA warps

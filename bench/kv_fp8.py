@@ -149,9 +149,9 @@ def attention_sweep(device: torch.device, args: argparse.Namespace) -> list[dict
     RoPE, the store and attention), else `paged_decode_attention`."""
     gen = torch.Generator(device=device).manual_seed(7)
     out = []
+    extra = [tuple(int(x) for x in item.split(":")) for item in args.sweep_launches.split(",") if item]
     for point in args.sweep_points.split(","):
         b, ctx = (int(x) for x in point.split("x"))
-        extra = [tuple(int(x) for x in item.split(":")) for item in args.sweep_launches.split(",") if item]
         row = _sweep_point(device, gen, b, ctx, args.sweep_parts.split(","), SWEEP_LAUNCHES + extra)
         log(f"sweep {point}: " + ", ".join(f"{k} {v}" for k, v in row.items() if isinstance(v, float)))
         out.append(row)
@@ -313,12 +313,10 @@ def main(argv: list[str]) -> int:
                 r.capture()
             logits[name] = tuple(x.clone() for x in r.run(*run_args))
             fns[name], fns[f"{name}:audio"] = r.graphs[b].replay, r.audio_graphs[b].replay
-        if args.ab_option:
-            entry_ab = _diff(logits[f"fp8:{args.ab_option}=off"][1], logits["fp8"][1])
         entry: dict = {"batch": b, "context_len": ctx, "fp8_vs_bf16": logit_compare(logits["fp8"], logits["bf16"]),
                        "finite": all(bool(torch.isfinite(x).all()) for v in logits.values() for x in v)}
         if args.ab_option:
-            entry["ab_audio_logits_vs_fp8"] = entry_ab
+            entry["ab_audio_logits_vs_fp8"] = _diff(logits[f"fp8:{args.ab_option}=off"][1], logits["fp8"][1])
         if not entry["finite"]:
             return stop(f"non-finite logits at {b} x {ctx}")
         times = time_interleaved(fns, 3, args.reps, args.rounds)

@@ -195,13 +195,19 @@ def smem_bytes(cfg: tuple[int, int, int, int, int], m: int) -> int:
 _TILED: dict[tuple, torch.Tensor] = {}
 
 
-def tile_major(w: torch.Tensor, bnw: int, bk: int) -> torch.Tensor:
+def tile_major_copy(w: torch.Tensor, bnw: int, bk: int) -> torch.Tensor:
     """[N, K] -> [N / bnw * K / bk * bnw, bk]: band of bnw rows by band, K tile by K tile, each bnw x bk box
-    contiguous, so a TMA box is one sequential read. Cached per (matrix, tile) for the chains' weights."""
+    contiguous, so a TMA box is one sequential read (`_w_box` addresses it)."""
+    n, k = w.shape
+    return w.view(n // bnw, bnw, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
+
+
+def tile_major(w: torch.Tensor, bnw: int, bk: int) -> torch.Tensor:
+    """`tile_major_copy`, cached per (matrix, tile) for the chains' weights (cleared between the sweep's
+    matrices)."""
     key = (w.data_ptr(), tuple(w.shape), bnw, bk)
     if key not in _TILED:
-        n, k = w.shape
-        _TILED[key] = w.view(n // bnw, bnw, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(-1, bk)
+        _TILED[key] = tile_major_copy(w, bnw, bk)
     return _TILED[key]
 
 
