@@ -22,9 +22,16 @@ SAME = 1e-5  # float rounding between different batch shapes
 OVERALL_TOL = 6e-2  # test_low_latency.py: streamed against decode_whole, tiny, random weights
 
 
-def light_config(max_sessions: int = 1) -> VocoderConfig:
+# the warm-up tests walk these (a warm-up runs every row count through the whole schedule and every tail,
+# ~20 ms a step on the CPU)
+SHORT_MAIN = (4, 5)
+SHORT_LIGHT = (2, 3)
+
+
+def light_config(max_sessions: int = 1, main: tuple[int, ...] = MAIN, light: tuple[int, ...] = LIGHT
+                 ) -> VocoderConfig:
     cfg = VocoderConfig.preset("tiny")
-    stream = dataclasses.replace(cfg.stream, chunk_schedule_codes=MAIN, light_load_schedule_codes=LIGHT,
+    stream = dataclasses.replace(cfg.stream, chunk_schedule_codes=main, light_load_schedule_codes=light,
                                  light_load_max_sessions=max_sessions)
     return dataclasses.replace(cfg, stream=stream)
 
@@ -117,8 +124,8 @@ def test_warm_up_of_both_schedules_covers_traffic_that_mixes_them(codes: list[in
     # most bucket_rows(1) = 1 row). Then a light-load stream runs beside two main ones that start while it
     # is open, and a fourth stream opens light again once all have ended: only captured shapes run.
     voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
-                                  warmup_rows=[1, 2, 4], chunk_schedule_codes=MAIN,
-                                  light_load_schedule_codes=LIGHT)
+                                  warmup_rows=[1, 2, 4], chunk_schedule_codes=SHORT_MAIN,
+                                  light_load_schedule_codes=SHORT_LIGHT)
     assert warm["graphs_captured"] == voc.graph_stats["num_graphs"] > 0
     before, generation = voc.graph_stats, voc.pool.generation
 
@@ -127,8 +134,9 @@ def test_warm_up_of_both_schedules_covers_traffic_that_mixes_them(codes: list[in
         return pcms, [s.schedule for s in sessions]  # type: ignore[attr-defined]
 
     graphed, picked = run(voc)
-    eager, eager_picked = run(StreamingVocoder.from_preset("tiny", config=light_config()))
-    assert picked == eager_picked == [LIGHT, MAIN, MAIN, LIGHT]
+    eager, eager_picked = run(StreamingVocoder.from_preset("tiny", config=light_config(main=SHORT_MAIN,
+                                                                                          light=SHORT_LIGHT)))
+    assert picked == eager_picked == [SHORT_LIGHT, SHORT_MAIN, SHORT_MAIN, SHORT_LIGHT]
     for a, b, n in zip(graphed, eager, [NUM_CODES, 17, 21, 12], strict=True):
         assert len(a) == len(b) == n * SAMPLES_PER_CODE and float(np.abs(a - b).max()) < SAME
     after = voc.graph_stats
@@ -140,18 +148,23 @@ def test_build_for_serving_warms_the_light_schedule_on_both_lanes_within_their_r
     # Fast lane budget 4 code rows: the main schedule (first chunk 4) warms row 1 there, the light one
     # (first chunk 2) would fit 2 rows but light-load sessions alone fill at most bucket_rows(1) = 1.
     voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=8,
-                                  warmup_rows=[1, 2], chunk_schedule_codes=MAIN,
-                                  light_load_schedule_codes=LIGHT, fast_lane_code_budget=4)
-    assert voc.config.stream.light_load_schedule_codes == LIGHT and voc.config.stream.light_load_max_sessions == 1
+                                  warmup_rows=[1, 2], chunk_schedule_codes=SHORT_MAIN,
+                                  light_load_schedule_codes=SHORT_LIGHT, fast_lane_code_budget=4)
+    stream = voc.config.stream
+    assert stream.light_load_schedule_codes == SHORT_LIGHT and stream.light_load_max_sessions == 1
     assert {sig[0][0][0] for sig in voc._lanes[1].graphed[1]._seen} == {1}  # rows of the fast lane's flow
     main_only, main_warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=8,
-                                             warmup_rows=[1, 2], chunk_schedule_codes=MAIN,
+                                             warmup_rows=[1, 2], chunk_schedule_codes=SHORT_MAIN,
                                              fast_lane_code_budget=4)
-    assert main_only.schedules == [MAIN]
-    # one row of the light schedule, on each lane: 2 + 3 + 5 + 10 + 25 + 25 + 3 codes for the whole
-    # schedule, then 45 + n for each distinct tail n (as for the main schedule, the tails end in 25s)
-    light_steps_per_row = 73 + sum(45 + n for n in (4, 5, 6, 9, 11, 12, 17, 26))
-    assert warm["steps"] == main_warm["steps"] + 2 * light_steps_per_row
+    assert main_only.schedules == [SHORT_MAIN]
+    # The main schedule (4, 5) on rows 1 and 2 of lane 0 and row 1 of the fast lane: 4 + 5 + 5 + 3 = 17
+    # codes for the whole schedule, then 9 + n for the tails n = 4, 5, 6 (the first n of each distinct
+    # (bucketed flow codes, BigVGAN window) pair among n = 3..7: code buckets 4, 5 and powers of two, windows
+    # 20 + 4n in buckets 32, 40 and powers of two: (4, 32), (4, 40), (5, 40), (8, 64), (8, 64)).
+    assert main_warm["steps"] == 3 * (17 + sum(9 + n for n in (4, 5, 6)))
+    # One row of the light schedule (2, 3), on each lane, in the main schedule's buckets: 2 + 3 + 3 + 3 = 11
+    # codes, then 5 + n for the tails n = 4, 5 (among n = 3..5: (4, 32), (4, 40), (5, 40)).
+    assert warm["steps"] == main_warm["steps"] + 2 * (11 + sum(5 + n for n in (4, 5)))
     # in tiny every light-load shape pads to one the main schedule's warm-up captured already
     assert warm["graphs_captured"] == main_warm["graphs_captured"]
 

@@ -29,6 +29,11 @@ def vocoder() -> StreamingVocoder:
     return voc
 
 
+def short_schedule_config(schedule: tuple[int, ...]) -> VocoderConfig:
+    """tiny with another low-latency chunk schedule: the warm-up tests walk a short one (a warm-up runs
+    every row count through the whole schedule and every tail, ~20 ms a step on the CPU)."""
+    cfg = VocoderConfig.preset("tiny")
+    return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, chunk_schedule_codes=schedule))
 
 
 @pytest.fixture(scope="module")
@@ -331,18 +336,23 @@ def test_graph_path_pads_steps_to_few_shapes(codes: list[int]) -> None:
 def test_warm_up_captures_every_shape_of_later_staggered_streams(codes: list[int]) -> None:
     # After warm_up over the row buckets 1, 2, 4 (bucket_shapes), three streams of different lengths
     # that start at different steps and finish apart run on captured shapes only: no eager call, no new
-    # capture, no growth of the state pool; their audio is the eager vocoder's.
-    voc = StreamingVocoder.from_preset("tiny")
+    # capture, no growth of the state pool; their audio is the eager vocoder's. A short schedule (2, 3, 5)
+    # keeps the walk small (the default schedule's walk: test_build_for_serving_wires_graphs_...).
+    config = short_schedule_config((2, 3, 5))
+    voc = StreamingVocoder.from_preset("tiny", config=config)
     voc.use_cuda_graphs(bucket_shapes=True)
     voc.reserve_sessions(16)
     voc.close(voc.open("default", seed=0))  # a priming before the warm-up runs eagerly (first sighting)
     stats = voc.warm_up([1, 2, 4])
     assert stats["graphs_captured"] == voc.graph_stats["num_graphs"] > 0
     assert list(voc._primed) == [("default", 0)]  # warm-up's own cold priming (seed 1) is not kept
-    # Per row count, one code per step: the whole schedule plus a repeat of its last chunk (2+3+5+10+25
-    # +25+3 = 73 codes, tail 3), and streams of 45 + n codes for the tails n = 4, 5, 6, 9, 11, 12, 17, 26
-    # (the first n of each distinct (bucketed flow codes, BigVGAN window) pair; tiny: window 20 + 4n).
-    assert stats["steps"] == 3 * (73 + sum(45 + n for n in (4, 5, 6, 9, 11, 12, 17, 26)))
+    # Per row count, one code per step: the whole schedule plus a repeat of its last chunk (2+3+5+5+3 = 18
+    # codes, tail 3), and streams of 10 + n codes for the tails n = 4, 5, 6: the first n of each distinct
+    # (bucketed flow codes, BigVGAN window) pair among n = 3..7. Code buckets: the schedule's sizes and
+    # powers of two; windows 20 + 4n (tiny: 16 frames of left context + the 4-frame overlap) in buckets
+    # 24, 32, 40 (the scheduled chunks' windows) and powers of two: (3, 32), (4, 40), (5, 40), (8, 64),
+    # then n = 7 again (8, 64).
+    assert stats["steps"] == 3 * (18 + sum(10 + n for n in (4, 5, 6)))
     assert voc.num_open_sessions == 0 and voc.pool.capacity == 16 + 1  # + the padding rows' scratch slot
     before, generation = voc.graph_stats, voc.pool.generation
 
@@ -350,7 +360,7 @@ def test_warm_up_captures_every_shape_of_later_staggered_streams(codes: list[int
         return run_staggered(v, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
 
     graphed = run(voc)
-    eager = run(StreamingVocoder.from_preset("tiny"))
+    eager = run(StreamingVocoder.from_preset("tiny", config=config))
     for a, b, n in zip(graphed, eager, [NUM_CODES, 17, 21], strict=True):
         assert len(a) == len(b) == n * SAMPLES_PER_CODE and float(np.abs(a - b).max()) < SAME
     after = voc.graph_stats
@@ -364,11 +374,12 @@ def test_frozen_graphs_run_unwarmed_shapes_eagerly_with_the_same_audio(codes: li
     from vocoder.streaming import build_for_serving
 
     voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
-                                  warmup_rows=[1], graphs_after_warmup=False)
+                                  warmup_rows=[1], graphs_after_warmup=False, chunk_schedule_codes=[2, 3])
     before = voc.graph_stats
     assert warm["graphs_captured"] == before["num_graphs"] > 0
     graphed = run_staggered(voc, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
-    eager = run_staggered(StreamingVocoder.from_preset("tiny"), codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
+    eager_voc = StreamingVocoder.from_preset("tiny", config=short_schedule_config((2, 3)))
+    eager = run_staggered(eager_voc, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
     for a, b, n in zip(graphed, eager, [NUM_CODES, 17, 21], strict=True):
         assert len(a) == len(b) == n * SAMPLES_PER_CODE and float(np.abs(a - b).max()) < SAME
     after = voc.graph_stats
@@ -379,12 +390,16 @@ def test_frozen_graphs_run_unwarmed_shapes_eagerly_with_the_same_audio(codes: li
 def test_an_eager_warm_up_after_the_freeze_runs_its_steps_and_captures_nothing() -> None:
     from vocoder.streaming import build_for_serving
 
+    # schedule (2, 3): per row count, 2+3+3+3 = 11 codes for the whole schedule, then 5 + n for the
+    # tails n = 4, 5 ((3, 32), (4, 64), (8, 64): code buckets 1, 2, 3, 4, 8; windows 24, 32 and powers of two)
+    short = {"chunk_schedule_codes": [2, 3]}
     frozen, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
-                                     warmup_rows=[1], graphs_after_warmup=False)
+                                     warmup_rows=[1], graphs_after_warmup=False, **short)
     voc, both = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
-                                  warmup_rows=[1], graphs_after_warmup=False, eager_warmup_rows=[2])
+                                  warmup_rows=[1], graphs_after_warmup=False, eager_warmup_rows=[2], **short)
     stats = voc.graph_stats
     assert stats["num_graphs"] == frozen.graph_stats["num_graphs"] == warm["graphs_captured"] > 0
+    assert warm["steps"] == 11 + 9 + 10
     assert (both["graphs_captured"], both["steps"]) == (warm["graphs_captured"], warm["steps"])
     # the same schedule walk for 2 rows as for 1 row, every step of it eager
     assert (both["eager_graphs_captured"], both["eager_steps"]) == (0, warm["steps"])
@@ -433,8 +448,10 @@ def test_build_for_serving_adds_and_warms_a_fast_lane_within_its_budget() -> Non
     from vocoder.streaming import build_for_serving
 
     voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=8,
-                                  warmup_rows=[1, 2, 4], fast_lane_code_budget=4)
+                                  warmup_rows=[1, 2, 4], fast_lane_code_budget=4, chunk_schedule_codes=[2, 3])
     assert voc.num_lanes == 2 and voc.pool.capacity == 8 + 2  # + a scratch slot per lane
+    # 3 row counts on lane 0 and 2 on the fast lane, each 11 + 9 + 10 steps of schedule (2, 3) (see above)
+    assert warm["steps"] == (3 + 2) * 30
     lane0 = sum(g.num_graphs for g in voc._lanes[0].graphed)
     lane1 = sum(g.num_graphs for g in voc._lanes[1].graphed)
     assert lane0 > lane1 > 0 and warm["graphs_captured"] == lane0 + lane1
