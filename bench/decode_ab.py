@@ -48,8 +48,7 @@ from runtime.kernels import paged_attention as attn_mod
 from runtime.kv_cache import kv_bytes_per_block
 
 INT_OPTIONS = ("pdl_max_rows", "attn_max_parts", "attn_split_two_below")
-BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts",
-                "attn_merge_last")
+BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two", "attn_dynamic_parts")
 # kernel options set while a variant's graph is captured: runtime.kernels.gemv.OPTIONS["fold"] (0, 1, 2, "table"),
 # runtime.kernels.paged_attention.OPTIONS["split_two"] (1 / 0: 2 key partitions at 16-31 streams or none)
 # OPTIONS["max_parts"] (attn_max_parts: at most this many key partitions) and OPTIONS["dynamic_parts"]
@@ -59,17 +58,14 @@ BOOL_OPTIONS = ("parallel_tails", "fused_rope", "float_logits", "attn_split_two"
 # and OPTIONS["weight_only"] (fp8_weight_only=table / off: the weight-only kernel for the 17-64-row products
 # its table names, or `torch._scaled_mm` for all), runtime.kernels.gemv.OPTIONS["l2_slice"] (gemv_l2_slice=N:
 # the one-row GEMV asks L2 for the first N bytes of each program's weights before its PDL wait; -1 all, 0 none)
-# and paged_attention.OPTIONS["l2_kv"] (attn_l2=1 / 0: split-key attention asks L2 for its first key's rows),
-# OPTIONS["merge_last"] (attn_merge_last=1: split keys merged by the last partition program, no merge kernel)
-# and OPTIONS["split_launch"] (attn_split_launch=BN:W:S: the launch over split keys)
+# and paged_attention.OPTIONS["l2_kv"] (attn_l2=1 / 0: split-key attention asks L2 for its first key's rows)
 KERNEL_OPTIONS = {"gemv_fold": (gemv_mod.OPTIONS, "fold"), "attn_split_two": (attn_mod.OPTIONS, "split_two"),
                   "attn_max_parts": (attn_mod.OPTIONS, "max_parts"),
                   "attn_dynamic_parts": (attn_mod.OPTIONS, "dynamic_parts"),
                   "attn_split_two_below": (attn_mod.OPTIONS, "split_two_below"),
                   "attn_launch": (attn_mod.OPTIONS, "launch"), "fp8_act_quant": (fp8_mod.OPTIONS, "act_quant"),
                   "fp8_weight_only": (fp8_mod.OPTIONS, "weight_only"), "gemv_l2_slice": (gemv_mod.OPTIONS, "l2_slice"),
-                  "attn_l2": (attn_mod.OPTIONS, "l2_kv"), "attn_merge_last": (attn_mod.OPTIONS, "merge_last"),
-                  "attn_split_launch": (attn_mod.OPTIONS, "split_launch")}
+                  "attn_l2": (attn_mod.OPTIONS, "l2_kv")}
 
 
 def skipping_ops(names: list[str]) -> TritonOps:
@@ -96,7 +92,7 @@ def parse_variant(text: str) -> tuple[str, int, dict]:
             raise ValueError(f"variant {text!r}: option {item!r} is not key=value")
         if value == "none" and key == "attn_max_parts":
             options[key] = None
-        elif key in ("attn_launch", "attn_split_launch"):
+        elif key == "attn_launch":
             options[key] = tuple(int(v) for v in value.split(":"))
         elif key in INT_OPTIONS or key in ("gemv_l2_slice", "attn_l2") or (key == "gemv_fold" and value.isdigit()):
             options[key] = int(value)

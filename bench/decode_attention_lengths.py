@@ -84,8 +84,6 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=1, help="key partitions of the checked launches")
     ap.add_argument("--watchdog", type=float, default=100.0, help="seconds before a hung process is ended")
     ap.add_argument("--fp8", action="store_true", help="FP8 caches (codes and scales)")
-    ap.add_argument("--merge-last", action="store_true",
-                    help="split keys merged by the last partition program (OPTIONS['merge_last'])")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
@@ -95,11 +93,10 @@ def main() -> None:
                     "device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": []}
     for spec in args.configs.split(";"):
         bn, warps, stages = (int(v) for v in spec.split(","))
-        cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages} | ({"merge_last": True} if args.merge_last else {})
+        cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         log(f"{spec} ...")
         batches = tuple(int(b) for b in args.batches.split(","))
         result["configs"].append({"config": spec, "batches": list(batches), "parts": args.parts, "fp8": args.fp8,
-                                  "merge_last": args.merge_last,
                                   **check_config(cfg, dev, batches, args.parts, args.fp8)})
         log(f"{spec}: {result['configs'][-1]}")
     emit(result, Path(args.out) if args.out else None)

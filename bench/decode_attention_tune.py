@@ -7,8 +7,7 @@ new row's K/V stored, attention over the paged cache; full-shape heads: 32 query
 pages) is timed for each key tile x warps x stages (`--configs`), with `--orders` also in each grid order
 (`kv_first`: a sequence's KV-head programs side by side) and cache layout (`head_major`: [blocks, KV,
 block_size, D], a page of one KV head contiguous, instead of the engine's [blocks, block_size, KV, D]), with
-`--parts2` also over 2 key partitions (+ the merge kernel; `--merge-last`: also merged in the attention kernel
-by the last partition program). Each sequence has `--context` earlier
+`--parts2` also over 2 key partitions (+ the merge kernel). Each sequence has `--context` earlier
 tokens on pages spread over the whole cache (a shuffled block table, as a long-running server's pages end up).
 A call is timed per layer in a CUDA graph of one call per layer (`--layers` caches, so L2 holds none of the
 keys), KV bytes read / time against the device copy rate of the same run.
@@ -108,7 +107,6 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
     k0, v0 = caches[False][0]
     want: dict = {}
     base_out: dict = {}
-    split_out: dict = {}
 
     def run(kc, vc, opts, n_parts, table_name):
         return paged_decode_attention_rope(qkv, q_norm, k_norm, cos, sin, pos, slots[table_name], kc, vc,
@@ -124,9 +122,6 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
     variants += [(f"bn{bn}_w{w}_s{s}_parts{n}", {"block_n": bn, "num_warps": w, "num_stages": s}, n, "shuffled")
                  for n in (int(v) for v in args.split_parts.split(","))
                  for bn, w, s in (parse_configs(args.parts2) if args.parts2 else [])]
-    if args.merge_last:  # the same split launches, merged by their last partition program (no merge kernel)
-        variants += [(f"{name}_mergelast", opts | {"merge_last": True}, n, table) for name, opts, n, table in
-                     [v for v in variants if v[2] > 1]]
     variants += [("default_again", {}, parts, "shuffled"), ("default_in_order", {}, parts, "in_order")]
     for name, opts, n_parts, table_name in variants:
         entry: dict = {"name": name, "parts": n_parts, "tables": table_name}
@@ -146,11 +141,6 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
             entry["max_abs_vs_float32"] = float((got[:4].float() - want[table_name]).abs().max())
             entry["max_abs_vs_default"] = float((got.float() - base_out[table_name].float()).abs().max())
             entry["stores_equal_default"] = all(torch.equal(a, b) for a, b in zip(stored, base_stored))
-            if n_parts > 1:
-                split_out[name] = got
-            twin = split_out.get(name.removesuffix("_mergelast")) if name.endswith("_mergelast") else None
-            if twin is not None:  # the same launch merged by the merge kernel
-                entry["equal_to_merge_kernel"] = bool(torch.equal(got, twin))
             calls = [functools.partial(run, *caches[hm][i], opts, n_parts, table_name)
                      for i in range(args.layers)]
             us = graph_us_per_call(calls)
@@ -178,8 +168,6 @@ def main() -> None:
     ap.add_argument("--orders", action="store_true", help="also each grid order and cache layout")
     ap.add_argument("--parts2", default="", help="configs also timed over key partitions (+ the merge)")
     ap.add_argument("--split-parts", default="2", help="the partition counts --parts2 uses")
-    ap.add_argument("--merge-last", action="store_true",
-                    help="also every split variant merged by its last partition program (OPTIONS['merge_last'])")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")

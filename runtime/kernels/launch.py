@@ -48,11 +48,3 @@ def l2_prefetch_rows(w_ptr, pid, N, K, BLOCK_N: tl.constexpr, SLICE: tl.constexp
     if SLICE > 0:
         slice_bytes = tl.minimum(slice_bytes, SLICE)
     l2_prefetch_once(w_ptr + pid.to(tl.int64) * BLOCK_N * K, slice_bytes)
-
-
-@triton.jit
-def gpu_fence():
-    """`fence.acq_rel.gpu` by every thread: the thread's earlier writes are ordered before its later ones for
-    every observer on the GPU (a partial result before the arrival that announces it)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, $1;", "=r,r", [tl.full([], 0, tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from runtime.kernels import pdl_mode
 from runtime.kernels.elementwise import fp8_quantize, rms_rope, scale_args, scale_offsets
-from runtime.kernels.launch import gpu_fence, l2_prefetch_once, pdl_args, pdl_enter
+from runtime.kernels.launch import l2_prefetch_once, pdl_args, pdl_enter
 
 
 def _dot_precision(q: torch.Tensor) -> str:
@@ -42,7 +42,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, QUANT: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False, L2_KV: tl.constexpr = False, count_ptr=None, MERGE_LAST: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, L2_KV: tl.constexpr = False,
 ):
     if not L2_KV:
         pdl_enter(USE_PDL)
@@ -167,28 +167,6 @@ def _decode_kernel(
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=gmask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=gmask)
-        if MERGE_LAST:
-            # the last of the (sequence, KV head)'s partition programs to arrive merges them, instead of a
-            # second kernel: each thread fences its partial stores GPU-wide, the CTA meets, one arrival is
-            # counted (acq_rel); the last reads every partial back past L1 and leaves the counter at zero
-            gpu_fence()
-            tl.debug_barrier()
-            counter = count_ptr + seq * NUM_KV + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_PARTS - 1:
-                rows = (seq * (NUM_KV * GROUP) + heads) * NUM_PARTS  # [GP]
-                p = tl.arange(0, NUM_PARTS)
-                rp = rows[:, None] + p[None, :]  # [GP, P]
-                m = tl.load(part_ml_ptr + rp * 2, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                l_p = tl.load(part_ml_ptr + rp * 2 + 1, mask=gmask[:, None], other=1.0, cache_modifier=".cg")
-                parts = tl.load(part_acc_ptr + rp[:, :, None] * HEAD_DIM + d[None, None, :],
-                                mask=gmask[:, None, None], other=0.0, cache_modifier=".cg")  # [GP, P, D]
-                m_max = tl.max(m, axis=1)
-                w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max[:, None]))  # [GP, P]
-                num = tl.sum(parts * w[:, :, None], axis=1)
-                den = tl.sum(l_p * w, axis=1)
-                tl.store(out_ptr + seq * (NUM_KV * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :],
-                         (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -246,26 +224,11 @@ SPLIT_TWO_BELOW = 256
 # and 7); bf16 weights, 8 streams 5.507 / 5.510 / 5.505 against 5.511 / 5.521 / 5.502 (run 5: 5.505 / 5.477
 # against 5.531 / 5.523); 16 streams (2 partitions) 0.1-0.4% slower in run 5.
 # "fp8_mid": an FP8 cache's launches at 16-64 streams (FP8_SPLIT_TWO_PROGRAMS, FP8_WIDE_PROGRAMS below).
-# "merge_last": split keys are merged by the last of a (sequence, KV head)'s partition programs to finish,
-# found with an arrival counter, instead of by `_decode_reduce_kernel` (one launch fewer per layer).
-# "split_launch": (key tile, warps, stages) of a bf16 cache's launches over split keys, in place of
-# `decode_launch`'s choice (None: its choice).
 L2_KV_BELOW_BATCH = 8
 OPTIONS: dict[str, bool | int | tuple[int, int, int] | None] = {
     "split_two": True, "max_parts": 16, "dynamic_parts": True, "split_two_below": SPLIT_TWO_BELOW, "launch": None,
-    "l2_kv": True, "fp8_mid": True, "merge_last": False, "split_launch": None,
+    "l2_kv": True, "fp8_mid": True,
 }
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _arrival_counters(k_cache: torch.Tensor, slots: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for OPTIONS["merge_last"], one set per cache tensor (the two tails'
-    layers may run at once on two streams); the kernel leaves them at zero. Made on a layer's first call, which
-    must not be under graph capture."""
-    key = (k_cache.data_ptr(), k_cache.device, slots)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(slots, dtype=torch.int32, device=k_cache.device)
-    return _COUNTERS[key]
 # For these grids (sequences x KV heads, keys not split) one-warp programs over 32-key tiles in 2 stages
 # stream the cache faster than 4 warps over 64 keys: 96 sequences x 512 keys 53.1 against 69.8 us, 128 x 512
 # 68.2 against 77.0 us, 128 x 2048 245 against 258 us, 256 x 512 133.7 against 146.8 us. Outside them they
@@ -335,8 +298,6 @@ def decode_launch(batch: int, num_kv_heads: int, num_parts: int, narrow: bool = 
         return FP8_LAUNCH if num_parts == 1 else FP8_SPLIT_LAUNCH
     if narrow and num_parts == 1 and _in(programs, NARROW_PROGRAMS):
         return NARROW_LAUNCH
-    if num_parts > 1 and OPTIONS["split_launch"] is not None:
-        return OPTIONS["split_launch"]
     # 3 stages help split keys at 1 sequence (bench/fast_tools.py's sweep)
     return BLOCK_N_DECODE, 4, 3 if num_parts > 1 else 2
 
@@ -410,11 +371,8 @@ def _decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, store_only: bool = False, kv_first: bool = False,
     head_major: bool = False, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    merge_last: bool | None = None,
 ) -> torch.Tensor:
-    """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates.
-    `merge_last` (None: OPTIONS["merge_last"]): split keys are merged by the last partition program to finish
-    instead of by the merge kernel."""
+    """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
     src = q if q is not None else rope[0]
     batch = src.shape[0]
     if head_major:
@@ -436,8 +394,6 @@ def _decode(
         part_ml = torch.empty(batch * num_heads * num_parts, 2, device=src.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out
-    merge_last = bool(OPTIONS["merge_last"] if merge_last is None else merge_last) and num_parts > 1 and not store_only
-    counters = _arrival_counters(k_cache, batch * num_kv) if merge_last else None
     # without `rope` its pointers are unused: any tensor stands in
     qkv, q_norm, k_norm, cos, sin, positions, slots, eps = rope if rope is not None else (src,) * 7 + (0.0,)
     _decode_kernel[(num_kv, batch, num_parts) if kv_first else (batch, num_kv, num_parts)](
@@ -447,9 +403,9 @@ def _decode(
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
         QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
-        L2_KV=l2_kv_launch(num_parts, batch), count_ptr=counters, MERGE_LAST=merge_last, **pdl_args(),
+        L2_KV=l2_kv_launch(num_parts, batch), **pdl_args(),
     )
-    if num_parts > 1 and not store_only and not merge_last:
+    if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
                                                      HEAD_DIM=head_dim, num_warps=2, **pdl_args())
     return out
