@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from vocoder import SAMPLES_PER_CODE, StreamingVocoder
+from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 
 NUM_CODES = 30
 SEED = 7
+# The short chunk schedule the warm-up tests walk (a warm-up runs every row count through the whole schedule
+# and every tail, ~20 ms a step on the CPU). One row count of it, one code per step: 2 + 3 + 3 + 3 = 11 codes
+# for the whole schedule and a repeat of its last chunk (tail 3), then 5 + n for the tails n = 4 and 5. The
+# three tails take distinct (bucketed flow codes, BigVGAN window 20 + 4n) pairs both in this schedule's own
+# buckets ((3, 32), (4, 64), (8, 64): code buckets 1, 2, 3, 4, 8; windows 24, 32 and powers of two) and in the
+# default schedule's ((3, 32), (4, 40), (5, 40)).
+SHORT = (2, 3)
+SHORT_WALK_STEPS = 11 + 9 + 10
+
+
+def short_schedule_config(schedule: tuple[int, ...] = SHORT) -> VocoderConfig:
+    """tiny with another low-latency chunk schedule (the warm-up tests walk a short one)."""
+    cfg = VocoderConfig.preset("tiny")
+    return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, chunk_schedule_codes=schedule))
 
 
 def stream(

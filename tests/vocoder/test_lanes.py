@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from streaming_helpers import NUM_CODES, SEED
+from streaming_helpers import NUM_CODES, SEED, SHORT, SHORT_WALK_STEPS
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder
 
@@ -62,10 +62,8 @@ def test_each_lane_has_its_own_graphs_and_scratch_slot(codes: list[int], single:
     voc.use_cuda_graphs(bucket_shapes=True)
     lane = voc.add_lane()
     voc.reserve_sessions(8)
-    # the warm-up walks the short schedule (2, 3) (a step of it costs ~20 ms on the CPU): per row count
-    # 2 + 3 + 3 + 3 = 11 codes, then 5 + n for the tails n = 4, 5
-    stats = voc.warm_up([1, 2], lane=lane, schedule=(2, 3))
-    assert stats["graphs_captured"] > 0 and stats["steps"] == 2 * (11 + 9 + 10)
+    stats = voc.warm_up([1, 2], lane=lane, schedule=SHORT)  # the short walk (streaming_helpers.SHORT)
+    assert stats["graphs_captured"] > 0 and stats["steps"] == 2 * SHORT_WALK_STEPS
     assert voc._graphed and all(g.num_graphs == 0 for g in voc._graphed)  # lane 0 captured nothing
     assert sum(g.num_graphs for g in voc._lanes[lane].graphed) == stats["graphs_captured"]
     scratch = {ln.scratch_slot for ln in voc._lanes}

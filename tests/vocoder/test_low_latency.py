@@ -7,7 +7,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from streaming_helpers import NUM_CODES, SEED, run_staggered, stream
+from streaming_helpers import (
+    NUM_CODES,
+    SEED,
+    SHORT_WALK_STEPS,
+    run_staggered,
+    short_schedule_config,
+    stream,
+)
 
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig
 
@@ -27,13 +34,6 @@ def vocoder() -> StreamingVocoder:
     voc = StreamingVocoder.from_preset("tiny")
     assert voc.is_low_latency and (voc.left_context, voc.right_context) == (16, 0)
     return voc
-
-
-def short_schedule_config(schedule: tuple[int, ...]) -> VocoderConfig:
-    """tiny with another low-latency chunk schedule: the warm-up tests walk a short one (a warm-up runs
-    every row count through the whole schedule and every tail, ~20 ms a step on the CPU)."""
-    cfg = VocoderConfig.preset("tiny")
-    return dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, chunk_schedule_codes=schedule))
 
 
 @pytest.fixture(scope="module")
@@ -373,13 +373,14 @@ def test_frozen_graphs_run_unwarmed_shapes_eagerly_with_the_same_audio(codes: li
     # captured, however often they repeat, and every stream's audio is the eager vocoder's.
     from vocoder.streaming import build_for_serving
 
+    config = short_schedule_config()
     voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
-                                  warmup_rows=[1], graphs_after_warmup=False, chunk_schedule_codes=[2, 3])
+                                  warmup_rows=[1], graphs_after_warmup=False, config=config)
     before = voc.graph_stats
     assert warm["graphs_captured"] == before["num_graphs"] > 0
     graphed = run_staggered(voc, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
-    eager_voc = StreamingVocoder.from_preset("tiny", config=short_schedule_config((2, 3)))
-    eager = run_staggered(eager_voc, codes, [0, 3, 9], [NUM_CODES, 17, 21], 40)[0]
+    eager = run_staggered(StreamingVocoder.from_preset("tiny", config=config), codes, [0, 3, 9],
+                          [NUM_CODES, 17, 21], 40)[0]
     for a, b, n in zip(graphed, eager, [NUM_CODES, 17, 21], strict=True):
         assert len(a) == len(b) == n * SAMPLES_PER_CODE and float(np.abs(a - b).max()) < SAME
     after = voc.graph_stats
@@ -390,16 +391,14 @@ def test_frozen_graphs_run_unwarmed_shapes_eagerly_with_the_same_audio(codes: li
 def test_an_eager_warm_up_after_the_freeze_runs_its_steps_and_captures_nothing() -> None:
     from vocoder.streaming import build_for_serving
 
-    # schedule (2, 3): per row count, 2+3+3+3 = 11 codes for the whole schedule, then 5 + n for the
-    # tails n = 4, 5 ((3, 32), (4, 64), (8, 64): code buckets 1, 2, 3, 4, 8; windows 24, 32 and powers of two)
-    short = {"chunk_schedule_codes": [2, 3]}
+    short = {"config": short_schedule_config()}  # streaming_helpers.SHORT: SHORT_WALK_STEPS per row count
     frozen, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
                                      warmup_rows=[1], graphs_after_warmup=False, **short)
     voc, both = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=16,
                                   warmup_rows=[1], graphs_after_warmup=False, eager_warmup_rows=[2], **short)
     stats = voc.graph_stats
     assert stats["num_graphs"] == frozen.graph_stats["num_graphs"] == warm["graphs_captured"] > 0
-    assert warm["steps"] == 11 + 9 + 10
+    assert warm["steps"] == SHORT_WALK_STEPS
     assert (both["graphs_captured"], both["steps"]) == (warm["graphs_captured"], warm["steps"])
     # the same schedule walk for 2 rows as for 1 row, every step of it eager
     assert (both["eager_graphs_captured"], both["eager_steps"]) == (0, warm["steps"])
@@ -448,10 +447,10 @@ def test_build_for_serving_adds_and_warms_a_fast_lane_within_its_budget() -> Non
     from vocoder.streaming import build_for_serving
 
     voc, warm = build_for_serving("tiny", cuda_graphs=True, bucket_shapes=True, reserved_sessions=8,
-                                  warmup_rows=[1, 2, 4], fast_lane_code_budget=4, chunk_schedule_codes=[2, 3])
+                                  warmup_rows=[1, 2, 4], fast_lane_code_budget=4, config=short_schedule_config())
     assert voc.num_lanes == 2 and voc.pool.capacity == 8 + 2  # + a scratch slot per lane
-    # 3 row counts on lane 0 and 2 on the fast lane, each 11 + 9 + 10 steps of schedule (2, 3) (see above)
-    assert warm["steps"] == (3 + 2) * 30
+    # 3 row counts on lane 0 and 2 on the fast lane, each the short schedule's walk (streaming_helpers.SHORT)
+    assert warm["steps"] == (3 + 2) * SHORT_WALK_STEPS
     lane0 = sum(g.num_graphs for g in voc._lanes[0].graphed)
     lane1 = sum(g.num_graphs for g in voc._lanes[1].graphed)
     assert lane0 > lane1 > 0 and warm["graphs_captured"] == lane0 + lane1
