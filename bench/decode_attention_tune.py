@@ -44,6 +44,19 @@ def new_row_slots(tables: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return tables.long().gather(1, (pos // BLOCK).long()[:, None])[:, 0] * BLOCK + pos % BLOCK
 
 
+def decode_tables(batch: int, context: int, dev: torch.device, spare: int = 8
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A decode batch on shuffled pages (as a long-running server's pages end up): `batch` sequences of
+    `context` earlier tokens and a new row each -> (block tables [B, W] int32 drawn from B * W + `spare` pages,
+    seq_lens [B] int32, the new rows' positions [B], the number of pages)."""
+    seq_len = context + 1
+    width = -(-seq_len // BLOCK)
+    blocks = batch * width + spare
+    tables = torch.randperm(blocks, device=dev)[: batch * width].view(batch, width).to(torch.int32)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+    return tables, seq_lens, seq_lens - 1, blocks
+
+
 def parse_configs(spec: str) -> list[tuple[int, int, int]]:
     """"64,4,2;32,1,3" -> [(64, 4, 2), (32, 1, 3)]: (key tile, warps, stages)."""
     return [tuple(int(v) for v in c.split(",")) for c in spec.split(";") if c]
@@ -79,12 +92,8 @@ def measure_batch(batch: int, args: argparse.Namespace, copy_gbps: float, cos: t
                   q_norm: torch.Tensor, k_norm: torch.Tensor) -> dict:
     """Every variant at one batch size (module docstring): a row of the result."""
     dev = cos.device
-    seq_len = args.context + 1
-    width = -(-seq_len // BLOCK)
-    blocks = batch * width + 8
-    tables = torch.randperm(blocks, device=dev)[: batch * width].view(batch, width).to(torch.int32)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
-    pos = seq_lens - 1
+    tables, seq_lens, pos, blocks = decode_tables(batch, args.context, dev)
+    seq_len, width = args.context + 1, tables.shape[1]
     qkv = torch.randn(batch, (HEADS + 2 * KV) * DIM, device=dev, dtype=torch.bfloat16)
     caches = {False: [], True: []}
     for _ in range(args.layers):

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
-from bench.decode_attention_tune import BLOCK, DIM, EPS, HEADS, KV, THETA, new_row_slots
+from bench.decode_attention_tune import BLOCK, DIM, EPS, HEADS, KV, THETA, decode_tables, new_row_slots
 from bench.fast_tools import bench_result, emit, log, rel_err, time_interleaved
 from runtime.fast_ops import rope_tables
 from runtime.kernels.elementwise import add_rmsnorm, silu_mul
@@ -188,13 +188,12 @@ def split_layer(layer: Layer, step: Step, x: torch.Tensor, res: torch.Tensor, ke
 
 
 def chain(layer_fn: Callable, layers: list[Layer], step: Step, x0: torch.Tensor, res0: torch.Tensor,
-          keep: list) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """All layers in a row -> last output, last residual, and every layer's (output, residual)."""
-    x, res, outs = x0, res0, []
+          keep: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """All layers in a row -> last output and residual."""
+    x, res = x0, res0
     for layer in layers:
         x, res = layer_fn(layer, step, x, res, keep)
-        outs.append((x, res))
-    return x, res, outs
+    return x, res
 
 
 def stored_rows(layer: Layer, slots: torch.Tensor, half: int | None) -> list[torch.Tensor]:
@@ -204,12 +203,8 @@ def stored_rows(layer: Layer, slots: torch.Tensor, half: int | None) -> list[tor
 
 
 def measure(rows: int, args: argparse.Namespace, dev: torch.device) -> dict:
-    seq_len = args.context + 1
-    width = -(-seq_len // BLOCK)
-    blocks = rows * width + 8
-    tables = torch.randperm(blocks, device=dev)[: rows * width].view(rows, width).to(torch.int32)
-    seq_lens = torch.full((rows,), seq_len, dtype=torch.int32, device=dev)
-    pos = seq_lens - 1
+    tables, seq_lens, pos, blocks = decode_tables(rows, args.context, dev)
+    width, seq_len = tables.shape[1], args.context + 1
     cos, sin = rope_tables(args.context + 64, DIM, THETA, torch.bfloat16, dev)
     step = Step(pos=pos, slots=new_row_slots(tables, pos).int(), tables=tables, seq_lens=seq_lens, cos=cos, sin=sin,
                 parts=decode_num_parts(rows, KV, width * BLOCK), parts_half=decode_num_parts(rows, HALF_KV, width * BLOCK))
@@ -232,14 +227,14 @@ def measure(rows: int, args: argparse.Namespace, dev: torch.device) -> dict:
     log(f"{rows} rows: {(weight_bytes + kv_bytes) / 1e6:.0f} MB a layer, partitions {step.parts} / {step.parts_half}")
 
     # checks, eager: first layer of each variant against serial's
-    want_out, want_res, _ = chain(serial_layer, layers[:1], step, x0, res0, [])
+    want_out, want_res = chain(serial_layer, layers[:1], step, x0, res0, [])
     want_kv = stored_rows(layers[0], step.slots, None)
     for name, fn in variants.items():
         if name == "serial":
             continue
         for c in (*layers[0].kv, *layers[0].kv_h[0], *layers[0].kv_h[1]):  # the new rows' slots cleared first
             c.view(-1, c.shape[2], DIM)[step.slots.long()] = 0
-        out, res, _ = chain(fn, layers[:1], step, x0, res0, [])
+        out, res = chain(fn, layers[:1], step, x0, res0, [])
         torch.cuda.synchronize()
         if "mlp_" in name:  # the attention block is the serial one: its whole cache
             got_kv = stored_rows(layers[0], step.slots, None)
@@ -261,13 +256,9 @@ def measure(rows: int, args: argparse.Namespace, dev: torch.device) -> dict:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            last, _, _ = chain(fn, layers, step, x0, res0, keep[name])
+            last, _ = chain(fn, layers, step, x0, res0, keep[name])
         keep[name].append(last)
         graphs[name] = g
-    # replays agree with the eager chain's last output (each graph recomputes from the same inputs)
-    for name, g in graphs.items():
-        g.replay()
-    torch.cuda.synchronize()
     timed = time_interleaved({n: g.replay for n, g in graphs.items()}, warmup=3, reps=20, rounds=args.rounds)
     for name, t in timed.items():
         t["us_per_layer"] = round(t["median_ms"] * 1e3 / args.layers, 2)

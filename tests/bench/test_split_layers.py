@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton")
 
 from bench import split_layers as sl
-from bench.decode_attention_tune import new_row_slots
+from bench.decode_attention_tune import decode_tables, new_row_slots
 from runtime.fast_ops import TorchOps, rope_tables
 
 
@@ -34,14 +34,11 @@ def test_split_layer_computes_the_serial_layer(monkeypatch, blocks):
     monkeypatch.setattr(sl, "paged_decode_attention_rope", TorchOps.decode_attention_rope)
     torch.manual_seed(0)
     rows, context = 3, 40
-    width = -(-(context + 1) // sl.BLOCK)
-    tables = torch.randperm(rows * width + 2)[: rows * width].view(rows, width).to(torch.int32)
-    seq_lens = torch.full((rows,), context + 1, dtype=torch.int32)
-    pos = seq_lens - 1
+    tables, seq_lens, pos, pages = decode_tables(rows, context, torch.device("cpu"), spare=2)
     cos, sin = rope_tables(context + 64, sl.DIM, sl.THETA, torch.float32, torch.device("cpu"))
     step = sl.Step(pos=pos, slots=new_row_slots(tables, pos), tables=tables, seq_lens=seq_lens, cos=cos, sin=sin,
                    parts=1, parts_half=1)
-    layer = sl.make_layer(rows * width + 2, torch.device("cpu"), torch.float32)
+    layer = sl.make_layer(pages, torch.device("cpu"), torch.float32)
     x, res = torch.randn(rows, sl.HIDDEN), torch.randn(rows, sl.HIDDEN)
     want_out, want_res = sl.serial_layer(layer, step, x, res, [])
     want_kv = sl.stored_rows(layer, step.slots, None)
