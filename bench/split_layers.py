@@ -1,16 +1,16 @@
-"""Layers split in two halves on two streams against the engine's one-stream layer, at 64-128 rows (H200 probe).
+"""Layers split in two halves on two streams against the engine's one-stream layer, at 64-128 rows (GPU probe).
 
-    python bench/split_layers.py --out bench/results/split-layers-h200/split-layers.json
+    python bench/split_layers.py --out bench/results/split-layers-h100/split-layers-inplace.json
 
 The question (forty-sixth session): at 64 and 128 streams every kernel of the step waits for the one before,
 and each boundary costs ~3 us of streaming (bench/results/boundary-ceiling-h200/). The two tails already run
 side by side on two streams. Can the 40 layers themselves run as two chains side by side, so that one chain's
 ramps and drains are filled by the other's streaming? A layer splits into two independent halves without
-reading any byte twice:
+reading any weight or cache byte twice:
 - the attention block by KV-head groups: half A is the QKV product of query heads 0-15 and KV heads 0-3, the
   attention over those heads (its own cache of 4 KV heads: the engine would hold the cache as two halves),
-  and o over those heads' columns; half B the rest. The two o products sum (B's product adds A's through
-  cuBLAS's beta = 1);
+  and o over those heads' columns; half B the rest. The two o products sum: B's product adds into A's
+  output in place (`addmm_`, cuBLAS's beta = 1; an out-of-place `addmm` would copy A's output first);
 - the MLP block by intermediate columns: half A is gate/up rows 0-6143 of each, SiLU-mul, and down over those
   columns; half B the rest, summed the same way.
 The residual adds and RMSNorms stay single kernels between the blocks (each half needs the whole row).
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.decode_attention_tune import BLOCK, DIM, EPS, HEADS, KV, THETA, decode_tables, new_row_slots
-from bench.fast_tools import bench_result, emit, log, rel_err, time_interleaved
+from bench.fast_tools import bench_result, emit, kernel_table, log, rel_err, time_interleaved
 from runtime.fast_ops import rope_tables
 from runtime.kernels.elementwise import add_rmsnorm, silu_mul
 from runtime.kernels.paged_attention import decode_num_parts, paged_decode_attention_rope
@@ -176,14 +176,14 @@ def split_layer(layer: Layer, step: Step, x: torch.Tensor, res: torch.Tensor, ke
     else:
         o = block(lambda: F.linear(h, qkv_a), lambda q: F.linear(attend(step, q, layer, kv_a, HALF_Q, parts), o_a),
                   lambda: F.linear(h, qkv_b), lambda q: attend(step, q, layer, kv_b, HALF_Q, parts),
-                  lambda attn, a: torch.addmm(a, attn, o_b.t()))
+                  lambda attn, a: a.addmm_(attn, o_b.t()))
     h, res = add_rmsnorm(o, res, layer.post_norm, EPS)
     keep.append(h)
     (gu_a, gu_b), (d_a, d_b) = layer.gate_up_h, layer.down_h
     if "mlp" not in blocks:
         return F.linear(silu_mul(F.linear(h, layer.gate_up)), layer.down), res
     down = block(lambda: F.linear(h, gu_a), lambda g: F.linear(silu_mul(g), d_a),
-                 lambda: F.linear(h, gu_b), silu_mul, lambda m, a: torch.addmm(a, m, d_b.t()))
+                 lambda: F.linear(h, gu_b), silu_mul, lambda m, a: a.addmm_(m, d_b.t()))
     return down, res
 
 
@@ -264,6 +264,11 @@ def measure(rows: int, args: argparse.Namespace, dev: torch.device) -> dict:
         t["us_per_layer"] = round(t["median_ms"] * 1e3 / args.layers, 2)
         t["of_copy"] = round(row["bytes_per_layer"] / (t["us_per_layer"] * 1e-6) / 1e9 / args.copy_gbps, 3)
         log(f"  {name}: {t['us_per_layer']} us a layer ({t['of_copy']:.1%} of copy)")
+    for name, g in graphs.items():  # what each layer launches (CUPTI), so the kernel counts are measured
+        table = kernel_table(g.replay, steps=2, top=32)
+        kernels = [k for k in table["top"] if not k["name"].startswith(("cuda", "Activity"))]
+        timed[name]["kernels_per_layer"] = round(sum(k["calls_per_step"] for k in kernels) / args.layers, 2)
+        timed[name]["kernels"] = kernels
     row["timed"] = timed
     del graphs, keep, layers
     torch.cuda.empty_cache()
