@@ -127,12 +127,21 @@ def attend(step: Step, qkv: torch.Tensor, layer: Layer, kv: tuple[torch.Tensor, 
     return out.reshape(qkv.shape[0], heads * DIM)
 
 
+def serial_attention(layer: Layer, step: Step, h: torch.Tensor) -> torch.Tensor:
+    """The attention block as the engine runs it: QKV, the fused attention kernel, o."""
+    return F.linear(attend(step, F.linear(h, layer.qkv), layer, layer.kv, HEADS, step.parts), layer.o)
+
+
+def serial_mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    """The MLP block as the engine runs it: gate/up, SiLU-mul, down."""
+    return F.linear(silu_mul(F.linear(h, layer.gate_up)), layer.down)
+
+
 def serial_layer(layer: Layer, step: Step, x: torch.Tensor, res: torch.Tensor, keep: list) -> tuple:
     """runtime/fast_forward.py `_layer` at 16+ rows, with cuBLAS products."""
     h, res = add_rmsnorm(x, res, layer.in_norm, EPS)
-    attn = attend(step, F.linear(h, layer.qkv), layer, layer.kv, HEADS, step.parts)
-    h, res = add_rmsnorm(F.linear(attn, layer.o), res, layer.post_norm, EPS)
-    return F.linear(silu_mul(F.linear(h, layer.gate_up)), layer.down), res
+    h, res = add_rmsnorm(serial_attention(layer, step, h), res, layer.post_norm, EPS)
+    return serial_mlp(layer, h), res
 
 
 def split_layer(layer: Layer, step: Step, x: torch.Tensor, res: torch.Tensor, keep: list, *,
@@ -172,7 +181,7 @@ def split_layer(layer: Layer, step: Step, x: torch.Tensor, res: torch.Tensor, ke
     kv_a, kv_b = layer.kv_h
     parts = step.parts_half
     if "attn" not in blocks:
-        o = F.linear(attend(step, F.linear(h, layer.qkv), layer, layer.kv, HEADS, step.parts), layer.o)
+        o = serial_attention(layer, step, h)
     else:
         o = block(lambda: F.linear(h, qkv_a), lambda q: F.linear(attend(step, q, layer, kv_a, HALF_Q, parts), o_a),
                   lambda: F.linear(h, qkv_b), lambda q: attend(step, q, layer, kv_b, HALF_Q, parts),
@@ -181,7 +190,7 @@ def split_layer(layer: Layer, step: Step, x: torch.Tensor, res: torch.Tensor, ke
     keep.append(h)
     (gu_a, gu_b), (d_a, d_b) = layer.gate_up_h, layer.down_h
     if "mlp" not in blocks:
-        return F.linear(silu_mul(F.linear(h, layer.gate_up)), layer.down), res
+        return serial_mlp(layer, h), res
     down = block(lambda: F.linear(h, gu_a), lambda g: F.linear(silu_mul(g), d_a),
                  lambda: F.linear(h, gu_b), silu_mul, lambda m, a: a.addmm_(m, d_b.t()))
     return down, res
