@@ -206,9 +206,24 @@ def chain(layer_fn: Callable, layers: list[Layer], step: Step, x0: torch.Tensor,
 
 
 def stored_rows(layer: Layer, slots: torch.Tensor, half: int | None) -> list[torch.Tensor]:
-    """The new rows' K and V as a variant stored them: whole cache (`half` None) or one half's."""
+    """The new rows' K and V in the whole cache (`half` None) or in one half's."""
     caches = layer.kv if half is None else layer.kv_h[half]
     return [c.view(-1, c.shape[2], DIM)[slots.long()] for c in caches]
+
+
+def split_stored_rows(layer: Layer, slots: torch.Tensor, blocks: str) -> list[torch.Tensor]:
+    """The new rows' K and V [N, KV, D] as `split_layer(blocks=...)` stored them: in the halves' caches, put
+    side by side, when it splits the attention block; else in the whole cache."""
+    if "attn" not in blocks:
+        return stored_rows(layer, slots, None)
+    halves = [stored_rows(layer, slots, i) for i in (0, 1)]
+    return [torch.cat([halves[0][j], halves[1][j]], dim=1) for j in (0, 1)]
+
+
+def clear_new_rows(layer: Layer, slots: torch.Tensor) -> None:
+    """Zero the new rows' slots in every cache of the layer (whole and halves), so a check sees fresh stores."""
+    for c in (*layer.kv, *layer.kv_h[0], *layer.kv_h[1]):
+        c.view(-1, c.shape[2], DIM)[slots.long()] = 0
 
 
 def measure(rows: int, args: argparse.Namespace, dev: torch.device) -> dict:
@@ -241,14 +256,10 @@ def measure(rows: int, args: argparse.Namespace, dev: torch.device) -> dict:
     for name, fn in variants.items():
         if name == "serial":
             continue
-        for c in (*layers[0].kv, *layers[0].kv_h[0], *layers[0].kv_h[1]):  # the new rows' slots cleared first
-            c.view(-1, c.shape[2], DIM)[step.slots.long()] = 0
+        clear_new_rows(layers[0], step.slots)
         out, res = chain(fn, layers[:1], step, x0, res0, [])
         torch.cuda.synchronize()
-        if "mlp_" in name:  # the attention block is the serial one: its whole cache
-            got_kv = stored_rows(layers[0], step.slots, None)
-        else:
-            got_kv = [torch.cat([stored_rows(layers[0], step.slots, i)[j] for i in (0, 1)], dim=1) for j in (0, 1)]
+        got_kv = split_stored_rows(layers[0], step.slots, fn.keywords.get("blocks", "attn,mlp"))
         kv_err = max(rel_err(got_kv[j], want_kv[j]) for j in (0, 1))
         row["checks"][name] = {"finite": bool(torch.isfinite(out).all() and torch.isfinite(res).all()),
                                "out_rel_err": rel_err(out, want_out), "res_rel_err": rel_err(res, want_res),

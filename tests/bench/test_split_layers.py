@@ -42,14 +42,10 @@ def test_split_layer_computes_the_serial_layer(monkeypatch, blocks):
     x, res = torch.randn(rows, sl.HIDDEN), torch.randn(rows, sl.HIDDEN)
     want_out, want_res = sl.serial_layer(layer, step, x, res, [])
     want_kv = sl.stored_rows(layer, step.slots, None)
-    for c in (*layer.kv, *layer.kv_h[0], *layer.kv_h[1]):
-        c.view(-1, c.shape[2], sl.DIM)[step.slots] = 0
+    sl.clear_new_rows(layer, step.slots)
     out, got_res = sl.split_layer(layer, step, x, res, [], side=None, stagger=False, blocks=blocks)
     assert torch.allclose(out, want_out, rtol=0, atol=1e-5 * float(want_out.abs().max()))
     assert torch.allclose(got_res, want_res, rtol=0, atol=1e-5)
-    if "attn" in blocks:  # each half stored its own KV heads' new rows
-        got_kv = [torch.cat([sl.stored_rows(layer, step.slots, i)[j] for i in (0, 1)], dim=1) for j in (0, 1)]
-    else:
-        got_kv = sl.stored_rows(layer, step.slots, None)
+    got_kv = sl.split_stored_rows(layer, step.slots, blocks)  # with attn: each half's own KV heads
     assert all(torch.allclose(g, w, rtol=0, atol=1e-5 * float(w.abs().max())) for g, w in zip(got_kv, want_kv))
     assert not any(bool(r.abs().sum() == 0) for r in want_kv)
