@@ -79,9 +79,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="key partitions the sweep tries per point (comma list; auto: decode_num_parts's choice)")
     p.add_argument("--sweep-launches", default="",
                    help="more launches for the sweep, key tile:warps:stages each, comma-separated (e.g. 16:1:2)")
-    p.add_argument("--sweep-vt", action="store_true",
-                   help="the sweep also times the FP8 cache with its value pages transposed ([blocks, KV, D, "
-                        "block_size]; variant 'fp8t'), checked against the same reference")
     p.add_argument("--ab-option", default="",
                    help="also time the FP8 cache's steps captured with this paged_attention OPTIONS switch off "
                         "(variant 'fp8:NAME=off'; e.g. fp8_mid)")
@@ -155,8 +152,7 @@ def attention_sweep(device: torch.device, args: argparse.Namespace) -> list[dict
     extra = [tuple(int(x) for x in item.split(":")) for item in args.sweep_launches.split(",") if item]
     for point in args.sweep_points.split(","):
         b, ctx = (int(x) for x in point.split("x"))
-        row = _sweep_point(device, gen, b, ctx, args.sweep_parts.split(","), SWEEP_LAUNCHES + extra,
-                           args.sweep_vt)
+        row = _sweep_point(device, gen, b, ctx, args.sweep_parts.split(","), SWEEP_LAUNCHES + extra)
         log(f"sweep {point}: " + ", ".join(f"{k} {v}" for k, v in row.items() if isinstance(v, float)))
         out.append(row)
         torch.cuda.empty_cache()
@@ -164,7 +160,7 @@ def attention_sweep(device: torch.device, args: argparse.Namespace) -> list[dict
 
 
 def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int, parts_list: list[str],
-                 launches: list[tuple | None], vt: bool = False) -> dict:
+                 launches: list[tuple | None]) -> dict:
     from bench.fast_tools import graph_us_per_call
     from runtime.fast_ops import TorchOps, rope_tables
     from runtime.kernels import paged_attention as pa
@@ -175,8 +171,6 @@ def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int, p
            for _ in range(layers)]
     v16 = [torch.randn_like(k) for k in k16]
     fp8 = [fp8_cache(k, v) for k, v in zip(k16, v16, strict=True)]
-    # the same codes with each value page transposed, [blocks, KV, D, block_size] (`--sweep-vt`)
-    v8t = [v8.permute(0, 2, 3, 1).contiguous() for _, v8, _ in fp8] if vt else []
     tables = torch.arange(b * width, device=device, dtype=torch.int32).view(b, width)
     seq_lens = torch.full((b,), ctx + 1, dtype=torch.int32, device=device)
     pos = seq_lens.long() - 1
@@ -189,11 +183,9 @@ def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int, p
     row: dict = {"batch": b, "context_len": ctx, "parts": auto_parts, "fused_rope": auto_parts == 1,
                  "kv_bytes_bf16": 2 * b * (ctx + 1) * kv * dim * 2}
 
-    def call(i: int, quant: bool, launch: tuple | None, parts: int, fused: bool, t: bool = False) -> torch.Tensor:
+    def call(i: int, quant: bool, launch: tuple | None, parts: int, fused: bool) -> torch.Tensor:
         kw = {} if launch is None else dict(zip(("block_n", "num_warps", "num_stages"), launch, strict=True))
         k, v, sc = fp8[i] if quant else (k16[i], v16[i], {})
-        if t:
-            v, kw = v8t[i], kw | {"v_t": True}
         if fused:
             return pa.paged_decode_attention_rope(*rope, k, v, tables, seq_lens, parts, heads, 1e-6, **sc, **kw)
         return pa.paged_decode_attention(q, k, v, tables, seq_lens, parts, **sc, **kw)
@@ -215,18 +207,15 @@ def _sweep_point(device: torch.device, gen: torch.Generator, b: int, ctx: int, p
                     **{name: t.clone() for name, t in scales.items()})
             else:
                 want[quant, fused] = TorchOps.decode_attention(q, k, v, tables, seq_lens, 1, **scales)
-        for quant, t in ((False, False), (True, False), *(((True, True),) if vt else ())):
+        for quant in (False, True):
             for launch in launches:
-                key = f"{'fp8t' if t else 'fp8' if quant else 'bf16'}/{tag}{launch}"
+                key = f"{'fp8' if quant else 'bf16'}/{tag}{launch}"
                 try:
-                    got = call(0, quant, launch, parts, fused, t)
-                    d = _diff(got, want[quant, fused])
-                    if t:  # bit-equal to the same launch over the untransposed pages
-                        d["equal_untransposed"] = bool(torch.equal(got, call(0, quant, launch, parts, fused)))
+                    d = _diff(call(0, quant, launch, parts, fused), want[quant, fused])
                     if not (d["rel_l2"] < 2e-2 and d["finite"]):
                         row[key] = {"wrong": d}
                         continue
-                    row[key] = round(graph_us_per_call([functools.partial(call, i, quant, launch, parts, fused, t)
+                    row[key] = round(graph_us_per_call([functools.partial(call, i, quant, launch, parts, fused)
                                                         for i in range(layers)]), 2)
                 except Exception as exc:  # noqa: BLE001 - reported in the JSON
                     row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}

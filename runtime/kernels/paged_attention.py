@@ -42,7 +42,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, STORE_ONLY: tl.constexpr, USE_PDL: tl.constexpr,
     KV_FIRST: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, QUANT: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False, L2_KV: tl.constexpr = False, V_T: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, L2_KV: tl.constexpr = False,
 ):
     if not L2_KV:
         pdl_enter(USE_PDL)
@@ -112,9 +112,6 @@ def _decode_kernel(
                     tl.store(ks_ptr + s_off, k_s)
                     tl.store(vs_ptr + s_off, v_s)
                 tl.store(k_ptr + new_off, k_new.to(k_ptr.dtype.element_ty))
-                if V_T:
-                    new_off = ((slot // BLOCK_SIZE) * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + kvh * (HEAD_DIM * BLOCK_SIZE)
-                               + d * BLOCK_SIZE + slot % BLOCK_SIZE)[None, :]
                 tl.store(v_ptr + new_off, v_new.to(v_ptr.dtype.element_ty))
             tl.debug_barrier()  # the loop reads them back, stored by other threads of this program
     else:
@@ -134,21 +131,7 @@ def _decode_kernel(
         tok = blk * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + (n % BLOCK_SIZE) * TOK_STRIDE  # [BN]
         kv_off = tok[:, None] + kvh * HEAD_STRIDE + d[None, :]  # [BN, D]
         k = tl.load(k_ptr + kv_off, mask=nmask[:, None], other=0.0)
-        if V_T:  # pages [blocks, KV, D, block_size]: the tile's keys are contiguous, as the B operand wants them
-            # loaded page by page, [pages, D, block_size], so each (page, dim) row is one vector; the keys past
-            # `end` in the last page are zeroed after the load (codes there may be anything, NaN included)
-            PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-            pg = n0 // BLOCK_SIZE + tl.arange(0, PAGES)
-            pvalid = pg * BLOCK_SIZE < end
-            pblk = tl.load(tables_ptr + seq * max_blocks + pg, mask=pvalid, other=0).to(tl.int64)
-            j = tl.arange(0, BLOCK_SIZE)
-            vt_off = (pblk * (BLOCK_SIZE * NUM_KV * HEAD_DIM) + kvh * (HEAD_DIM * BLOCK_SIZE))[:, None, None] + (
-                d * BLOCK_SIZE)[None, :, None] + j[None, None, :]  # [P, D, BS]
-            vt3 = tl.load(v_ptr + vt_off, mask=pvalid[:, None, None], other=0.0)
-            v = tl.reshape(tl.permute(vt3, (0, 2, 1)), (BLOCK_N, HEAD_DIM))
-            v = tl.where(nmask[:, None], v, 0.0)
-        else:
-            v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=nmask[:, None], other=0.0)
         s = tl.dot(q_dot, tl.trans(k.to(q_dot.dtype)), input_precision=DOT_PREC) * qk_scale  # [GP, BN]
         if QUANT:
             s_off = scale_offsets(blk * BLOCK_SIZE + n % BLOCK_SIZE, kvh, NUM_KV, BLOCK_SIZE)
@@ -345,7 +328,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, num_parts: int = 1, *, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, kv_first: bool = False, head_major: bool = False,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, v_t: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one row per sequence) over the layer's paged cache -> [B, H, D].
 
@@ -356,14 +339,12 @@ def paged_decode_attention(
     `num_stages` (None: `decode_launch`'s choice); `kv_first` launches a sequence's KV-head programs side by
     side; `head_major`: the caches are [num_blocks, KV, block_size, D] instead of [num_blocks, block_size,
     KV, D]. `k_scale`, `v_scale` [num_blocks, KV, block_size]: the caches hold FP8 codes (module docstring).
-    `v_t`: the value cache's pages are transposed, [num_blocks, KV, D, block_size] (a probe of
-    bench/kv_fp8.py `--sweep-vt`; the engine's caches are not).
     """
     # the kernel addresses q's rows as [B, H * D] back to back (a slice of the QKV rows would be read wrongly)
     assert q.is_contiguous(), "q must be contiguous"
     return _decode(q, None, q.shape[1], k_cache, v_cache, block_tables, seq_lens, num_parts, block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, kv_first=kv_first, head_major=head_major,
-                   k_scale=k_scale, v_scale=v_scale, v_t=v_t)
+                   k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode_attention_rope(
@@ -390,7 +371,6 @@ def _decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_parts: int, *, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, store_only: bool = False, kv_first: bool = False,
     head_major: bool = False, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    v_t: bool = False,
 ) -> torch.Tensor:
     """Launch the decode kernel on q [B, H, D], or (`rope`) on the QKV rows it normalises and rotates."""
     src = q if q is not None else rope[0]
@@ -399,8 +379,6 @@ def _decode(
         _, num_kv, block_size, head_dim = k_cache.shape
     else:
         _, block_size, num_kv, head_dim = k_cache.shape
-    if v_t:
-        assert not head_major and v_cache.shape == (k_cache.shape[0], num_kv, head_dim, block_size), v_cache.shape
     group = num_heads // num_kv
     out = torch.empty(batch, num_heads, head_dim, device=src.device, dtype=src.dtype)
     scale = 1.0 / math.sqrt(head_dim)
@@ -425,7 +403,7 @@ def _decode(
         HEAD_DIM=head_dim, BLOCK_N=block_n, PART=part, NUM_PARTS=num_parts, DOT_PREC=_dot_precision(src),
         FUSE_ROPE=rope is not None, STORE_ONLY=store_only, KV_FIRST=kv_first, HEAD_MAJOR=head_major,
         QUANT=k_scale is not None, F16_DOT=k_scale is not None and src.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
-        L2_KV=l2_kv_launch(num_parts, batch), V_T=v_t, **pdl_args(),
+        L2_KV=l2_kv_launch(num_parts, batch), **pdl_args(),
     )
     if num_parts > 1 and not store_only:
         _decode_reduce_kernel[(batch * num_heads,)](part_acc, part_ml, out, NUM_PARTS=num_parts,
