@@ -183,6 +183,9 @@ class VocoderServer:
                 llm_stream.cancel()  # no-op when the LLM stream already ended
             if stream is not None and not stream.is_closed:
                 self._batcher.close(stream)
+            elif stream is None:
+                # cancelled after the session opened but before `await opening` resumed: the task holds it
+                self._discard(opening)
 
     async def _encode_speech(self, messages: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """The messages with every speech part's samples (16 kHz float32, decoded by the ingress) replaced by

@@ -469,54 +469,73 @@ def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_t
     asyncio.run(main())
 
 
-def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -> None:
-    from deployments.errors import internal_error
+class Recorder:
+    """A metric double: every observed or set value, in order."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def observe(self, value: float, tags: dict | None = None) -> None:
+        self.values.append(value)
+
+    def set(self, value: float) -> None:
+        self.values.append(value)
+
+
+class LLMStream:
+    """What handle.options(stream=True).remote(request) gives: `events`, then it waits (a long utterance)
+    when `hold` is set, else it ends; cancel() is recorded."""
+
+    def __init__(self, events: list[dict], hold: bool = False) -> None:
+        self.events, self.hold, self.cancelled = iter(events), hold, False
+
+    def __aiter__(self) -> LLMStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        await asyncio.sleep(0)
+        try:
+            return next(self.events)
+        except StopIteration:
+            if self.hold:
+                await asyncio.sleep(3600)
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def vocoder_server(vocoder: RecordingVocoder, llm_stream: LLMStream) -> object:
+    """A `VocoderServer` replica without a model or Ray (its vocoder is the double, its LLM handle gives
+    `llm_stream`)."""
     from deployments.metrics import RecentWindow
     from deployments.vocoder_server import VocoderServer
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.values: list[float] = []
+    llm = type("LLM", (), {})()
+    llm.generate = type("Method", (), {"options": lambda self, **kw: self, "remote": lambda self, r: llm_stream})()
 
-        def observe(self, value: float, tags: dict | None = None) -> None:
-            self.values.append(value)
+    class Replica(VocoderServer):
+        def __del__(self) -> None:  # Ray's asynchronous destructor
+            pass
 
-        def set(self, value: float) -> None:
-            self.values.append(value)
+    server = Replica.__new__(Replica)
+    server._llm, server._num_active, server._batch_sizes = llm, 0, RecentWindow(window_s=30.0)
+    server._metrics = type("Metrics", (), {"active_streams": Recorder(), "time_to_first_pcm": Recorder(),
+                                           "step_seconds": Recorder(), "batch_size": Recorder()})()
+    server._batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
+    server._codes_stream = {"eager_codes": 5, "batch_s": 0.0}
+    server._retry_after_s = 1.0
+    return server
 
-    class LLMStream:  # what handle.options(stream=True).remote(request) gives: events, then cancel()
-        def __init__(self, events: list[dict]) -> None:
-            self.events, self.cancelled = iter(events), False
 
-        def __aiter__(self) -> LLMStream:
-            return self
-
-        async def __anext__(self) -> dict:
-            await asyncio.sleep(0)
-            try:
-                return next(self.events)
-            except StopIteration:
-                raise StopAsyncIteration from None
-
-        def cancel(self) -> None:
-            self.cancelled = True
+def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -> None:
+    from deployments.errors import internal_error
 
     async def main() -> None:
         llm_stream = LLMStream([{"type": "codes", "codes": list(range(8))},
                                 {"type": "finished", "reason": "length", "error": None}])
-        llm = type("LLM", (), {})()
-        llm.generate = type("Method", (), {"options": lambda self, **kw: self, "remote": lambda self, r: llm_stream})()
-        class Replica(VocoderServer):  # the replica without a model (its vocoder is the double) or Ray's
-            def __del__(self) -> None:  # asynchronous destructor
-                pass
-
-        server = Replica.__new__(Replica)
         vocoder = FailingVocoder(poison={"default-5"})
-        server._llm, server._num_active, server._batch_sizes = llm, 0, RecentWindow(window_s=30.0)
-        server._metrics = type("Metrics", (), {"active_streams": Recorder(), "time_to_first_pcm": Recorder(),
-                                               "step_seconds": Recorder(), "batch_size": Recorder()})()
-        server._batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
-        server._codes_stream = {"eager_codes": 5, "batch_s": 0.0}
+        server = vocoder_server(vocoder, llm_stream)
         events = [e async for e in server.synthesize({"with_audio": True, "voice": "default", "seed": 5})]
         assert events == [{"type": "started"}, internal_error(
             "vocoder step failed: RuntimeError('CUDA error: an illegal memory access')").to_event()]
@@ -527,6 +546,43 @@ def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -
         assert llm_stream.cancelled and vocoder.closed == ["default-5"]
         assert server._batcher.num_streams == 0 and server._batcher.num_open_sessions == 0
         assert server._num_active == 0
+        await server._batcher.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_as_its_vocoder_session_opens_leaves_no_session_open() -> None:
+    """The caller of `synthesize` is cancelled in the same loop turn as its session's open completes, so the
+    open's result is never read: the replica still closes the session."""
+
+    async def main() -> None:
+        llm_stream = LLMStream([{"type": "codes", "codes": [1, 2]}], hold=True)
+        vocoder = ChunkVocoder()
+        server = vocoder_server(vocoder, llm_stream)
+        real_open = server._batcher.open
+        consumer: asyncio.Future | None = None
+
+        async def open_then_disconnect(voice: str, seed: int) -> BatchedStream:
+            stream = await real_open(voice, seed)
+            asyncio.get_running_loop().call_soon(consumer.cancel)  # lands before synthesize resumes
+            return stream
+
+        server._batcher.open = open_then_disconnect
+
+        async def consume() -> None:
+            async for _ in server.synthesize({"with_audio": True, "voice": "default", "seed": 5}):
+                pass
+
+        consumer = asyncio.ensure_future(consume())
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        for _ in range(200):  # the batcher closes the session in its next round, on its worker thread
+            if vocoder.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert (vocoder.num_opened, vocoder.closed) == (1, ["default-5"])
+        assert server._batcher.num_streams == 0 and server._batcher.num_open_sessions == 0
+        assert llm_stream.cancelled and server._num_active == 0
         await server._batcher.shutdown()
 
     asyncio.run(main())
