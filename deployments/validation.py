@@ -192,7 +192,7 @@ def _content_parts(message: ChatMessageIn, index: int) -> list[TextPart | InputA
     for number, part in enumerate(message.content):
         where = f"messages.{index}.content.{number}"
         kind = part.get("type")
-        schema = {"text": TextPart, "input_audio": InputAudioPart}.get(kind)
+        schema = {"text": TextPart, "input_audio": InputAudioPart}.get(kind) if isinstance(kind, str) else None
         if schema is None:
             raise bad_request(f"{where}: unsupported content part type {kind!r}; use 'text' or 'input_audio'",
                               param=where, code="unsupported_content")
