@@ -4,6 +4,7 @@ Every failure is an `ApiError` with a 4xx status; the ingress answers it without
 """
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any
@@ -159,13 +160,16 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
             if limits.max_input_audio_s <= 0:
                 raise bad_request("speech input is not enabled on this server (speech_encoder: none)",
                                   param=f"messages.{index}.content.{number}", code="unsupported_content")
-            samples = decode_input_audio(part.input_audio.data, part.input_audio.format,
-                                         param=f"messages.{index}.content.{number}.input_audio.data",
-                                         max_seconds=limits.max_input_audio_s)
+            # each clip may take what the request's earlier clips left of the limit, so no clip is decoded
+            # past it
+            samples = decode_input_audio(
+                part.input_audio.data, part.input_audio.format,
+                param=f"messages.{index}.content.{number}.input_audio.data",
+                max_seconds=limits.max_input_audio_s - audio_s,
+                too_long=functools.partial(_audio_too_long, audio_s, limits.max_input_audio_s) if audio_s else None)
             audio_s += samples.size / INPUT_SAMPLE_RATE
-            if audio_s > limits.max_input_audio_s:
-                raise bad_request(f"the request's input audio lasts {audio_s:.1f} s in all; the limit is "
-                                  f"{limits.max_input_audio_s:g} s", param="messages", code="audio_too_long")
+            if audio_s > limits.max_input_audio_s:  # resampling may add a few samples
+                raise _audio_too_long(audio_s, limits.max_input_audio_s, 0.0)
             content.append({"type": "audio", "samples": samples})
         messages.append((message.role, content))
     limits.check_text("".join(texts), "messages")
@@ -180,6 +184,15 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
         "max_new_tokens": limits.max_new_tokens(req.max_new_tokens, req.min_new_tokens),
         "min_new_tokens": req.min_new_tokens or 0, "seed": req.seed,
     }
+
+
+def _audio_too_long(earlier_s: float, limit_s: float, seconds: float | None) -> ApiError:
+    """The 400 for a request whose clips, `earlier_s` and then one of `seconds` (None: not known, past the
+    limit), last longer than `limit_s` in all."""
+    message = (f"the request's input audio lasts {earlier_s + seconds:.1f} s in all; the limit is {limit_s:g} s"
+               if seconds is not None else
+               f"the request's input audio lasts longer than the limit of {limit_s:g} s in all")
+    return bad_request(message, param="messages", code="audio_too_long")
 
 
 def _content_parts(message: ChatMessageIn, index: int) -> list[TextPart | InputAudioPart]:

@@ -67,6 +67,8 @@ def test_an_mp3_clip_decodes() -> None:
     (audio_b64(tone(0.07, 16000), 16000), "invalid_audio", "input audio is 70 ms long; at least 80 ms"),
     (audio_b64(tone(10.5, 8000), 8000), "audio_too_long", "input audio is 10.5 s long; the limit is 10 s"),
     (audio_b64(tone(1.0, 3000), 3000), "invalid_audio", "sample rate 3000 Hz is below 4000 Hz"),
+    (audio_b64(tone(0.2, 192000), 192000), "invalid_audio", "sample rate 192000 Hz is above 96000 Hz"),
+    (audio_b64(tone(0.2, 16000, channels=9), 16000), "invalid_audio", "9 channels; at most 8 are taken"),
     (audio_b64(np.array([0.1, np.nan] * 8000, dtype=np.float32), 16000, subtype="FLOAT"), "invalid_audio",
      "non-finite samples"),
 ])
@@ -75,6 +77,34 @@ def test_bad_audio_is_a_400_naming_the_part(data: str, code: str, fragment: str)
         decode(data)
     assert info.value.status == 400 and info.value.code == code and info.value.param == "p"
     assert fragment in info.value.message
+
+
+@pytest.fixture
+def frames_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Clips whose header does not give their length (as some MP3 streams'), and the frames each decode read."""
+    read: list[int] = []
+    blocks = soundfile.SoundFile.blocks
+
+    def counted(self: soundfile.SoundFile, *args: object, **kwargs: object):
+        read.append(0)
+        for block in blocks(self, *args, **kwargs):
+            read[-1] += len(block)
+            yield block
+
+    monkeypatch.setattr("deployments.audio_input._header_frames", lambda file: 0)
+    monkeypatch.setattr(soundfile.SoundFile, "blocks", counted)
+    return read
+
+
+def test_a_clip_of_unknown_length_is_read_only_up_to_its_limit(frames_read: list[int]) -> None:
+    from deployments.audio_input import READ_BLOCK_FRAMES
+
+    with pytest.raises(ApiError) as info:
+        decode(audio_b64(tone(30.0, 48000, channels=2), 48000), max_seconds=10.0)
+    assert info.value.code == "audio_too_long" and info.value.param == "p"
+    assert info.value.message == "input audio is longer than the limit of 10 s"
+    assert frames_read == [-(-480_001 // READ_BLOCK_FRAMES) * READ_BLOCK_FRAMES]  # the block past 10 s, no more
+    assert decode(audio_b64(tone(1.5, 48000, channels=2), 48000)).size == 24000  # under the limit: all of it
 
 
 def chat(messages: list) -> bytes:
@@ -112,6 +142,14 @@ def test_bad_speech_parts_are_400s_naming_where(messages: list, param: str, frag
     with pytest.raises(ApiError) as info:
         chat_request(chat(messages), LIMITS)
     assert info.value.status == 400 and info.value.param == param and fragment in info.value.message
+
+
+def test_a_later_clip_is_decoded_only_up_to_what_the_earlier_ones_left(frames_read: list[int]) -> None:
+    with pytest.raises(ApiError) as info:
+        chat_request(chat([{"role": "user", "content": [speech_part(2.0), speech_part(60.0)]}]), LIMITS)
+    assert info.value.status == 400 and info.value.param == "messages" and info.value.code == "audio_too_long"
+    assert info.value.message == "the request's input audio lasts longer than the limit of 3 s in all"
+    assert frames_read == [32000, 65536]  # the first clip whole; the second's first block passes the 1 s left
 
 
 def test_the_llm_deployment_turns_encoded_parts_into_the_facts_sheets_rows() -> None:
