@@ -71,7 +71,7 @@ class Ingress:
                 return await self._speech(request, received_at, deadline)
             if route == "chat":
                 return await self._chat(request, received_at, deadline)
-            response = await self._get(path)
+            response = await self._get(path, deadline)
         except asyncio.CancelledError:  # the client went away (Serve cancels the handler) before a response
             if not _COUNTED.get():
                 self._count(route, 499, "disconnect")
@@ -98,7 +98,7 @@ class Ingress:
             path = path[len(root):]
         return path.rstrip("/") or "/"
 
-    async def _get(self, path: str) -> Response:
+    async def _get(self, path: str, deadline: float) -> Response:
         if path == "/health":
             return JSONResponse({"status": "ok"})
         if path == "/v1/models":
@@ -106,7 +106,8 @@ class Ingress:
                 "id": self._args.served_model_name, "object": "model", "created": self._created,
                 "owned_by": "moss-speech-serve"}]})
         if path == "/admin/stats":
-            llm, vocoder = await asyncio.gather(self._llm.stats.remote(), self._vocoder.stats.remote())
+            llm, vocoder = await self._unary(asyncio.gather(self._llm.stats.remote(), self._vocoder.stats.remote()),
+                                             deadline)
             return JSONResponse({"llm": llm, "vocoder": vocoder,
                                  "ingress": {"active_requests": self._num_active}})
         request_id = path.removeprefix(REQUESTS_PREFIX)
@@ -121,12 +122,19 @@ class Ingress:
         if error_kind is not None:
             self._metrics.errors.inc(tags={"kind": error_kind})
 
-    async def _get_limits(self) -> Limits:
+    async def _unary(self, awaitable: Any, deadline: float) -> Any:
+        """The result of a call on another deployment that answers once: a 504 past `_within`'s deadlines (a
+        replica's every call queues behind its `max_ongoing_requests` streams), a 503 when Serve refuses it."""
+        try:
+            return await self._within(awaitable, deadline)
+        except TimeoutError:
+            raise timeout_error("the request timed out on the server") from None
+        except (BackPressureError, DeploymentUnavailableError) as exc:  # e.g. a new replica under load
+            raise serve_over_capacity(exc, self._args.retry_after_s) from None
+
+    async def _get_limits(self, deadline: float) -> Limits:
         if self._limits is None:  # voice names come from the vocoder replica once, then are cached
-            try:
-                voices = await self._vocoder.voices.remote()
-            except (BackPressureError, DeploymentUnavailableError) as exc:  # e.g. a new replica under load
-                raise serve_over_capacity(exc, self._args.retry_after_s) from None
+            voices = await self._unary(self._vocoder.voices.remote(), deadline)
             self._limits = Limits(
                 served_model_name=self._args.served_model_name, voices=voices,
                 max_input_chars=self._args.max_input_chars,
@@ -154,11 +162,12 @@ class Ingress:
                                kind="invalid_request", code="request_too_large")
 
     async def _speech(self, request: Request, received_at: float, deadline: float) -> Response:
-        parsed, payload = speech_request(await self._read_body(request, deadline), await self._get_limits())
+        body, limits = await self._read_body(request, deadline), await self._get_limits(deadline)
+        parsed, payload = speech_request(body, limits)
         return await self._stream("speech", payload, speech_plan(parsed), received_at, deadline)
 
     async def _chat(self, request: Request, received_at: float, deadline: float) -> Response:
-        body, limits = await self._read_body(request, deadline), await self._get_limits()
+        body, limits = await self._read_body(request, deadline), await self._get_limits(deadline)
         # off the event loop: speech input is decoded and resampled here (deployments/audio_input.py)
         parsed, payload = await asyncio.to_thread(chat_request, body, limits)
         plan = chat_plan(parsed, payload["request_id"], self._args.served_model_name)

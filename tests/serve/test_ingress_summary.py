@@ -1,7 +1,8 @@
 """The ingress' per-request summary (GET /admin/requests/{id}) and its request counts when a stream ends,
 driven in process with a scripted vocoder stream (no Ray): a failure mid-way keeps its kind and message, a
 finished one has none, a body the client never let start is released and counted, a non-streamed chat
-failure is counted once, and a vocoder deployment over capacity is a 503."""
+failure is counted once, a vocoder deployment over capacity is a 503, and the unary calls on the other
+deployments (the voice lookup, /admin/stats) are bounded by the request's deadlines."""
 from __future__ import annotations
 
 import asyncio
@@ -45,14 +46,18 @@ class ScriptedStream:
         self.cancelled = True
 
 
-class Voices:
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
+class Unary:
+    """A handle method answering once: `value`, or `error` raised, or (`hang`) nothing until cancelled."""
 
-    async def remote(self) -> list[str]:
+    def __init__(self, value: Any, error: Exception | None = None, hang: bool = False) -> None:
+        self.value, self.error, self.hang = value, error, hang
+
+    async def remote(self) -> Any:
+        if self.hang:
+            await asyncio.get_running_loop().create_future()
         if self.error is not None:
             raise self.error
-        return ["default"]
+        return self.value
 
 
 class Counter:
@@ -67,10 +72,11 @@ class Counter:
 
 
 class ScriptedVocoder:
-    def __init__(self, stream: ScriptedStream, voices_error: Exception | None = None) -> None:
+    def __init__(self, stream: ScriptedStream, voices_error: Exception | None = None, voices_hang: bool = False) -> None:
         self.stream = stream
         self.synthesize = self
-        self.voices = Voices(voices_error)
+        self.voices = Unary(["default"], voices_error, voices_hang)
+        self.stats = Unary({"open_sessions": 0})
 
     def options(self, **_: Any) -> ScriptedVocoder:
         return self
@@ -112,11 +118,12 @@ def test_a_finished_stream_has_no_error() -> None:
     assert not cancelled
 
 
-def counted_ingress(events: list[dict[str, Any]], voices_error: Exception | None = None,
+def counted_ingress(events: list[dict[str, Any]], voices_error: Exception | None = None, voices_hang: bool = False,
                     **args: Any) -> tuple[Ingress, ScriptedStream, Counter, Counter]:
     """An Ingress (AppArgs `args`) over a scripted stream, counting its requests and errors."""
     stream = ScriptedStream([{"type": "started"}, *events])
-    ingress = Ingress(app_args("tiny") | args, llm=None, vocoder=ScriptedVocoder(stream, voices_error))
+    llm = SimpleNamespace(stats=Unary({"running": 0}))
+    ingress = Ingress(app_args("tiny") | args, llm=llm, vocoder=ScriptedVocoder(stream, voices_error, voices_hang))
     requests, errors = Counter(), Counter()
     ingress._metrics = SimpleNamespace(requests=requests, errors=errors, time_to_first_audio=Counter(),
                                        chunk_gap=Counter(), realtime_factor=Counter(), audio_seconds=Counter())
@@ -186,6 +193,37 @@ def test_a_vocoder_deployment_over_capacity_at_the_voice_lookup_is_a_503() -> No
     assert (response.status_code, response.headers["retry-after"]) == (503, "4")
     assert json.loads(response.body)["error"]["code"] == "server_overloaded"
     assert requests.calls == [{"route": "speech", "status": "503"}]
+
+
+def get(path: str) -> Request:
+    scope = {"type": "http", "method": "GET", "path": path, "root_path": "", "query_string": b"", "headers": [],
+             "server": ("127.0.0.1", 8000), "scheme": "http", "http_version": "1.1"}
+    return Request(scope)
+
+
+def test_a_voice_lookup_that_never_answers_is_a_504_after_the_idle_timeout() -> None:
+    """The lookup queues behind the vocoder replica's streams (every call takes a slot of its
+    max_ongoing_requests): it is bounded like any other wait of the request."""
+    ingress, stream, requests, errors = counted_ingress([], voices_hang=True, stream_idle_timeout_s=0.05)
+    response = asyncio.run(asyncio.wait_for(ingress(post("/v1/audio/speech", SPEECH)), 10))  # a hang fails
+    assert response.status_code == 504 and json.loads(response.body)["error"]["code"] == "timeout"
+    assert (requests.calls, errors.calls) == ([{"route": "speech", "status": "504"}], [{"kind": "timeout"}])
+    assert stream.events == [{"type": "started"}]  # no stream was opened
+
+
+def test_admin_stats_answers_and_is_bounded_like_a_request() -> None:
+    from ray.serve.exceptions import BackPressureError
+
+    ingress, _, requests, _ = counted_ingress([], stream_idle_timeout_s=0.05, retry_after_s=4.0)
+    response = asyncio.run(ingress(get("/admin/stats")))
+    assert response.status_code == 200 and json.loads(response.body) == {
+        "llm": {"running": 0}, "vocoder": {"open_sessions": 0}, "ingress": {"active_requests": 0}}
+    ingress._vocoder.stats = Unary(None, hang=True)
+    assert asyncio.run(asyncio.wait_for(ingress(get("/admin/stats")), 10)).status_code == 504  # a hang fails
+    ingress._vocoder.stats = Unary(None, BackPressureError(num_queued_requests=5, max_queued_requests=5))
+    response = asyncio.run(ingress(get("/admin/stats")))
+    assert (response.status_code, response.headers["retry-after"]) == (503, "4")
+    assert requests.calls == [{"route": "admin", "status": status} for status in ("200", "504", "503")]
 
 
 def _post_raw(path: str, receive: Any) -> Request:
