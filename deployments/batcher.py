@@ -307,8 +307,10 @@ class VocoderBatcher:
                 logger.exception("vocoder batching round failed: failing every stream")
                 self._fail(list(self._streams), exc)
 
-    def _fail(self, streams: Sequence[BatchedStream], exc: BaseException) -> None:
-        """End `streams` with a VocoderStepError; their sessions are closed by the next round."""
+    def _fail(self, streams: Sequence[BatchedStream], exc: BaseException,
+              finished: Sequence[BatchedStream] = ()) -> None:
+        """End `streams` with a VocoderStepError; their sessions are closed by the next round, except those of
+        `finished` (among `streams`), which the failed round had finished already."""
         self._note_device_error(exc)
         error = VocoderStepError(f"vocoder step failed: {exc!r}")
         for stream in streams:
@@ -320,7 +322,8 @@ class VocoderBatcher:
             stream.is_closed = True
             stream.pending.clear()
             stream.out.put_nowait(error)
-            self._discard.append(stream.session)  # StreamingVocoder.close is a no-op on a closed session
+            if stream not in finished:
+                self._discard.append(stream.session)  # StreamingVocoder.close is a no-op on a closed session
         if streams:
             self._wake_all()
 
@@ -361,11 +364,8 @@ class VocoderBatcher:
                 logger.exception("vocoder finish of %d streams failed", len(finishing))
                 self._fail(finishing, exc)
                 return True
-            self._report("finish", len(finishing), started)
             self.num_open_sessions -= len(finishing)
-            for stream, tail in zip(finishing, tails, strict=True):
-                self._deliver(stream, tail)
-                stream.out.put_nowait(END)
+            self._deliver_call("finish", finishing, tails, finishing, started)
             did_work = True
         return did_work
 
@@ -420,11 +420,23 @@ class VocoderBatcher:
             if self._fast_executor is not None:
                 self._wake_all()  # its streams are free for the other lane again
         self.num_steps += 1
-        self._report(kind, len(work), started)
         self.num_open_sessions -= len(ending)
-        for stream, pcm in zip(ready, pcms, strict=True):
-            self._deliver(stream, pcm)
-        for stream in ending:
+        self._deliver_call(kind, ready, pcms, ending, started)
+
+    def _deliver_call(self, kind: str, streams: list[BatchedStream], pcms: Sequence[np.ndarray],
+                      done: list[BatchedStream], started: float) -> None:
+        """After a vocoder call over `streams` (`done`: those whose sessions it finished, out of `_streams`
+        already): report it, deliver each stream's PCM, then END the `done` ones. A failure here is a bug
+        outside the vocoder; it ends every stream of the call with the error, so none waits for END."""
+        try:
+            self._report(kind, len(streams), started)
+            for stream, pcm in zip(streams, pcms, strict=True):
+                self._deliver(stream, pcm)
+        except Exception as exc:
+            logger.exception("delivering a vocoder %s call of %d streams failed", kind, len(streams))
+            self._fail(streams, exc, finished=done)
+            return
+        for stream in done:
             stream.out.put_nowait(END)
 
     def _yield_s(self, now: float) -> float:

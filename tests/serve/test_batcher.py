@@ -469,6 +469,58 @@ def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_t
     asyncio.run(main())
 
 
+async def until_error(queue: asyncio.Queue) -> tuple[list[float], object]:
+    """The samples a stream got before its first non-PCM item, and that item (END or an error)."""
+    values: list[float] = []
+    while isinstance(item := await asyncio.wait_for(queue.get(), 5), np.ndarray):  # a hang fails
+        values.extend(item.tolist())
+    return values, item
+
+
+@pytest.mark.parametrize(("policy", "failing"), [("deadline", "first"), ("fifo", "finish")])
+def test_a_bug_after_a_vocoder_call_ends_every_stream_of_the_call(policy: str, failing: str) -> None:
+    """The report of a call that finished a stream's session (a metrics callback) raises after the vocoder
+    returned: that stream gets the error too (it had left the batcher's list before the call) and its session
+    is not closed again; a stream outside the failed call goes on; the loop serves the next stream."""
+    reports: list[str] = []
+
+    def on_step(kind: str, streams: int, seconds: float) -> None:
+        reports.append(kind)
+        if kind == failing and reports.count(kind) == 1:
+            raise RuntimeError("metrics backend hiccup")
+
+    async def main() -> None:
+        vocoder = ChunkVocoder()
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy=policy, on_step=on_step)
+        live, ending = [await batcher.open("v", seed=i) for i in (1, 2)]
+        batcher.push(live, list(range(10)))
+        batcher.push(ending, [1, 2, 3])
+        batcher.end(ending)
+        got, error = await until_error(ending.out)
+        assert got == [] and str(error) == "vocoder step failed: RuntimeError('metrics backend hiccup')"
+        assert vocoder.finished == ["v-2"]  # finished by the failed call, never closed
+        if policy == "deadline":  # one step carried both newcomers and failed before delivering: both fail
+            assert await until_error(live.out) == ([], error)
+            for _ in range(200):
+                if vocoder.closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert vocoder.closed == ["v-1"]
+        else:  # finish_many carried only the ending stream (its three codes made no chunk before)
+            batcher.end(live)
+            assert await until_error(live.out) == ([float(x) for x in range(10) for _ in range(SAMPLES)], END)
+            assert (vocoder.finished, vocoder.closed) == (["v-2", "v-1"], [])
+        assert batcher.num_open_sessions == 0 and batcher.num_streams == 0
+        assert batcher.health_problem(60.0) is None  # a bug, not the device
+        nxt = await batcher.open("v", seed=3)
+        batcher.push(nxt, [5, 6, 7])
+        batcher.end(nxt)
+        assert await until_error(nxt.out) == ([float(x) for x in (5, 6, 7) for _ in range(SAMPLES)], END)
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
 class Recorder:
     """A metric double: every observed or set value, in order."""
 
