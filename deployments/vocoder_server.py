@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deployments.batcher import END, BatchedStream, VocoderBatcher, VocoderStepError, VocoderUnhealthyError
-from deployments.errors import error_event, internal_error
+from deployments.errors import error_event, internal_error, overloaded
 from deployments.framing import pcm16_bytes
 from deployments.metrics import RecentWindow, VocoderMetrics
 from deployments.timeline import stamp_codes
@@ -235,7 +235,13 @@ class VocoderServer:
                     return
                 item = await anext(llm_stream)
         except asyncio.CancelledError:
-            raise
+            if asyncio.current_task().cancelling():
+                raise  # `synthesize` cancelled this reader: nobody reads `out` any more
+            # raised by the LLM stream itself: Ray's handle raises CancelledError when the remote generation was
+            # cancelled by someone else (its replica stopping); without an event `synthesize` would wait on
+            out.put_nowait(overloaded("server unavailable: the LLM deployment cancelled the generation",
+                                      self._retry_after_s).to_event())
+            return
         except Exception as exc:
             logger.exception("reading the LLM stream failed")
             out.put_nowait(error_event(exc, retry_after_s=self._retry_after_s))

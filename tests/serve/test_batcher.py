@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import pytest
@@ -536,10 +536,10 @@ class Recorder:
 
 class LLMStream:
     """What handle.options(stream=True).remote(request) gives: `events`, then it waits (a long utterance)
-    when `hold` is set, else it ends; cancel() is recorded."""
+    when `hold` is set, raises CancelledError when `remote_cancel` is, else it ends; cancel() is recorded."""
 
-    def __init__(self, events: list[dict], hold: bool = False) -> None:
-        self.events, self.hold, self.cancelled = iter(events), hold, False
+    def __init__(self, events: list[dict], hold: bool = False, remote_cancel: bool = False) -> None:
+        self.events, self.hold, self.remote_cancel, self.cancelled = iter(events), hold, remote_cancel, False
 
     def __aiter__(self) -> LLMStream:
         return self
@@ -551,6 +551,8 @@ class LLMStream:
         except StopIteration:
             if self.hold:
                 await asyncio.sleep(3600)
+            if self.remote_cancel:  # as Ray's handle does when another caller cancelled the remote generation
+                raise asyncio.CancelledError from None
             raise StopAsyncIteration from None
 
     def cancel(self) -> None:
@@ -638,6 +640,37 @@ def test_a_client_gone_as_its_vocoder_session_opens_leaves_no_session_open() -> 
         await server._batcher.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_llm_generation_cancelled_from_its_side_ends_the_utterance_with_a_503_event() -> None:
+    """The LLM stream raises CancelledError although nobody cancelled `synthesize` (Ray's handle does so when
+    the remote generation was cancelled elsewhere, e.g. its replica stopping): the utterance ends at once with
+    a retryable 503 event instead of waiting for the ingress' idle timeout; its session is closed."""
+
+    async def main() -> None:
+        llm_stream = LLMStream([{"type": "codes", "codes": list(range(12))}], remote_cancel=True)
+        vocoder = ChunkVocoder()
+        server = vocoder_server(vocoder, llm_stream)
+        events = await asyncio.wait_for(_collect(server.synthesize({"with_audio": True, "voice": "default",
+                                                                    "seed": 5})), 5)  # a hang fails
+        assert events[0] == {"type": "started"} and {e["type"] for e in events[1:-1]} <= {"audio"}
+        assert events[-1] == {"type": "error", "status": 503, "kind": "overloaded",
+                              "message": "server unavailable: the LLM deployment cancelled the generation",
+                              "error_type": "server_overloaded_error", "param": None, "code": "server_overloaded",
+                              "retry_after_s": 1.0}
+        for _ in range(200):  # the batcher closes the session in its next round
+            if vocoder.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert vocoder.closed == ["default-5"] and server._batcher.num_open_sessions == 0
+        assert server._num_active == 0
+        await server._batcher.shutdown()
+
+    asyncio.run(main())
+
+
+async def _collect(events: AsyncIterator[dict]) -> list[dict]:
+    return [e async for e in events]
 
 
 class LaneVocoder(ChunkVocoder):
