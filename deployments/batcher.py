@@ -100,7 +100,7 @@ class BatchedStream:
 
     def lag_s(self, now: float, sample_rate: int) -> float:
         """Seconds a real-time listener who started at the first chunk would be waiting now."""
-        if self.first_pcm_at is None or self.is_ended:
+        if self.first_pcm_at is None:
             return 0.0
         return max(0.0, -self.buffer_s(now, sample_rate))
 
@@ -292,9 +292,20 @@ class VocoderBatcher:
         self._wake_all()
 
     def lag_s(self) -> float:
-        """The largest lag behind real time among active streams (0 when none)."""
+        """The largest lag behind real time among the streams the vocoder holds work for (0 when none): in a
+        step now, ended (the rest of their audio is due), or with pending codes a step can turn into audio.
+        A listener waiting for codes the LLM has not sent is not the vocoder's lag (more vocoder replicas
+        would not help it)."""
         now = time.monotonic()
-        return max((s.lag_s(now, self.sample_rate) for s in self._streams), default=0.0)
+        return max((s.lag_s(now, self.sample_rate) for s in self._streams if self._holds_work(s)), default=0.0)
+
+    def _holds_work(self, stream: BatchedStream) -> bool:
+        if stream in self._in_flight or stream.is_ended:
+            return True
+        if not stream.pending:
+            return False
+        # "fifo" steps whatever codes are pending; "deadline" only whole chunks
+        return self.policy == "fifo" or self.vocoder.next_chunk_codes(stream.session, len(stream.pending)) > 0
 
     async def _run(self, round_fn: Callable[[], Any], wake: asyncio.Event) -> None:
         while True:

@@ -469,6 +469,27 @@ def test_a_bug_outside_the_vocoder_calls_fails_every_stream_instead_of_killing_t
     asyncio.run(main())
 
 
+def test_lag_counts_only_streams_the_vocoder_holds_work_for() -> None:
+    """Every stream below started playing 3 s ago with 1 s of audio made (its listener waits 2 s); the lag
+    signal, which scales the vocoder up, counts only those whose wait the vocoder could end."""
+    batcher = VocoderBatcher(ChunkVocoder(), max_batch_size=8, sample_rate=24000, policy="deadline")
+
+    def stream(seed: int, pending: list[int], ended: bool = False) -> BatchedStream:
+        s = BatchedStream(batcher.vocoder.open("v", seed=seed), asyncio.Queue())
+        s.first_pcm_at, s.num_samples, s.pending, s.is_ended = time.monotonic() - 3.0, 24000, pending, ended
+        return s
+
+    waiting_for_llm = stream(1, [])
+    short_of_a_chunk = stream(2, [7])  # a chunk needs 2 codes plus 2 of lookahead
+    batcher._streams = [waiting_for_llm, short_of_a_chunk]
+    assert batcher.lag_s() == 0.0
+    for behind in (stream(3, [1, 2, 3, 4]), stream(4, [], ended=True)):
+        batcher._streams = [waiting_for_llm, short_of_a_chunk, behind]
+        assert 2.0 <= batcher.lag_s() < 2.5
+    batcher._streams, batcher._in_flight = [waiting_for_llm], {waiting_for_llm}  # in a step now
+    assert 2.0 <= batcher.lag_s() < 2.5
+
+
 async def until_error(queue: asyncio.Queue) -> tuple[list[float], object]:
     """The samples a stream got before its first non-PCM item, and that item (END or an error)."""
     values: list[float] = []
