@@ -60,19 +60,22 @@ def check_gpus(args: AppArgs, gpus_available: float | None = None) -> None:
             f"if GPU nodes join the cluster later.")
 
 
-def _deployment_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+def _deployment_kwargs(options: dict[str, Any], args: AppArgs) -> dict[str, Any]:
+    """`@serve.deployment` kwargs of one deployment. A stopping replica (scale-down, new version) drains for
+    `request_timeout_s` unless the options say otherwise: no request lives longer, so none in flight is cut
+    (Ray's default, 20 s, cut utterances of a minute; an idle replica stops at once either way)."""
     deployment, actor = split_options(options)
-    return {**deployment, "ray_actor_options": actor}
+    return {"graceful_shutdown_timeout_s": args.request_timeout_s, **deployment, "ray_actor_options": actor}
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
     """Build the three-deployment app from `AppArgs` (or its dict form, as in YAML `args:`)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     check_gpus(args)
-    llm = serve.deployment(LLMServer).options(name="LLMServer", **_deployment_kwargs(args.llm_options))
+    llm = serve.deployment(LLMServer).options(name="LLMServer", **_deployment_kwargs(args.llm_options, args))
     vocoder = serve.deployment(VocoderServer).options(name="VocoderServer",
-                                                      **_deployment_kwargs(args.vocoder_options))
-    ingress = serve.deployment(Ingress).options(name="Ingress", **_deployment_kwargs(args.ingress_options))
+                                                      **_deployment_kwargs(args.vocoder_options, args))
+    ingress = serve.deployment(Ingress).options(name="Ingress", **_deployment_kwargs(args.ingress_options, args))
     vocoder_kwargs = {"preset": args.vocoder_preset, "device": args.vocoder_device,
                       "dtype": args.vocoder_dtype, "seed": args.vocoder_seed,
                       "cuda_graphs": args.vocoder_cuda_graphs, "bucket_shapes": args.vocoder_bucket_shapes,

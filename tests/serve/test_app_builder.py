@@ -36,6 +36,15 @@ def test_cpu_config_builds_three_deployments_with_fractional_cpus_and_no_gpus() 
                        "Ingress": {"num_cpus": 0.25}}
 
 
+def test_replicas_drain_for_the_request_timeout_unless_told_otherwise() -> None:
+    """A stopping replica waits for its requests up to `request_timeout_s` (Ray's default, 20 s, cut long
+    utterances on every scale-down); a deployment's own `graceful_shutdown_timeout_s` wins."""
+    args = yaml_args("serve.yaml") | {"request_timeout_s": 300.0}
+    args["vocoder_options"] = {**args.get("vocoder_options", {}), "graceful_shutdown_timeout_s": 45.0}
+    drains = {name: d._deployment_config.graceful_shutdown_timeout_s for name, d in deployments_of(args).items()}
+    assert drains == {"LLMServer": 300.0, "VocoderServer": 45.0, "Ingress": 300.0}
+
+
 @pytest.mark.parametrize("name", ["serve-4090.yaml", "serve-4090-fp8.yaml"])
 def test_gpu_config_is_refused_on_a_gpu_less_cluster(name: str) -> None:
     args = AppArgs.model_validate(yaml_args(name))
