@@ -49,6 +49,7 @@ separate steps, lost to fifo in bench/results/e2e-h200-batching-ab/ and was remo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -232,16 +233,30 @@ class VocoderBatcher:
         self._ensure_loop()
         lane = 0 if self._fast_executor is None else 1
         options = {"lane": lane} if lane else {}  # a one-lane vocoder need not take the argument
-        call = asyncio.ensure_future(self._call(lambda: self.vocoder.open(voice, seed=seed, **options), lane=lane))
+        # Sessions queued for closing are closed first, on this call: at capacity (the vocoder's reserved
+        # sessions = its max_ongoing_requests), a session its client just left must not make the state pool
+        # grow, which drops the captured flow graphs.
+        closable = self._take_closable()
+
+        def close_then_open() -> tuple[Any, Exception | None, list[Exception]]:
+            errors = self._close_sessions(closable)
+            try:
+                return self.vocoder.open(voice, seed=seed, **options), None, errors
+            except Exception as exc:  # noqa: BLE001 - raised by the awaiting side
+                return None, exc, errors
+
+        call = asyncio.ensure_future(self._call(close_then_open, lane=lane))
+        if closable:
+            call.add_done_callback(functools.partial(self._after_closes, closable))
         try:
-            session = await asyncio.shield(call)
+            session, failure, _ = await asyncio.shield(call)
         except asyncio.CancelledError:
             # the caller went away while the worker thread opens the session: close it once it exists
             call.add_done_callback(self._discard_opened)
             raise
-        except Exception as exc:
-            self._note_device_error(exc)  # an idle replica's only vocoder calls are its opens
-            raise
+        if failure is not None:
+            self._note_device_error(failure)  # an idle replica's only vocoder calls are its opens
+            raise failure
         self.num_open_sessions += 1
         stream = BatchedStream(session, asyncio.Queue())
         self._streams.append(stream)
@@ -249,14 +264,35 @@ class VocoderBatcher:
 
     def _discard_opened(self, call: asyncio.Future) -> None:
         """An open whose caller was cancelled finished: its session (if it opened) is closed by the next round."""
-        if call.cancelled():
+        if call.cancelled() or call.exception() is not None:
             return
-        if call.exception() is not None:
-            self._note_device_error(call.exception())
+        session, failure, _ = call.result()
+        if failure is not None:
+            self._note_device_error(failure)
             return
         self.num_open_sessions += 1
-        self._discard.append(call.result())
+        self._discard.append(session)
         self._wake_all()
+
+    def _take_closable(self) -> list[Any]:
+        """The sessions queued for closing whose steps are not running, taken off the queue."""
+        busy = {id(s.session) for s in self._in_flight}  # an aborted stream's step may still be running
+        closable = [session for session in self._discard if id(session) not in busy]
+        if closable:
+            self._discard = [session for session in self._discard if id(session) in busy]
+        return closable
+
+    def _after_closes(self, closable: list[Any], call: asyncio.Future) -> None:
+        """Count `closable` closed once the open that closed them first returned (with their errors)."""
+        if call.cancelled() or call.exception() is not None:
+            return  # the executor never ran it (shutdown)
+        self._closed(closable, call.result()[2])
+
+    def _closed(self, closable: list[Any], errors: list[Exception]) -> None:
+        self.num_open_sessions -= len(closable)  # a session whose close failed is not retried either
+        for exc in errors:
+            logger.error("closing a vocoder session failed: %r", exc)
+            self._note_device_error(exc)
 
     def _note_device_error(self, exc: BaseException) -> None:
         """Keep the first device error (a CUDA error poisons the process): `health_problem` reports it."""
@@ -341,15 +377,9 @@ class VocoderBatcher:
     async def _round(self) -> bool:
         """One step over ready streams plus any finishes; False when there was nothing to do."""
         did_work = False
-        busy = {id(s.session) for s in self._in_flight}  # an aborted stream's step may still be running
-        closable = [session for session in self._discard if id(session) not in busy]
+        closable = self._take_closable()
         if closable:
-            self._discard = [session for session in self._discard if id(session) in busy]
-            errors = await self._call(self._close_sessions, closable)
-            self.num_open_sessions -= len(closable)  # a session whose close failed is not retried either
-            for exc in errors:
-                logger.error("closing a vocoder session failed: %r", exc)
-                self._note_device_error(exc)
+            self._closed(closable, await self._call(self._close_sessions, closable))
             did_work = True
         now = time.monotonic()
         kind, ready = self.pick(now)

@@ -816,6 +816,39 @@ def test_fast_lane_serves_a_newcomer_while_a_long_step_holds_lane_zero() -> None
     asyncio.run(main())
 
 
+def test_an_open_closes_the_sessions_queued_for_closing_first() -> None:
+    """A client leaves while a long step holds lane 0, so the loop cannot close its session yet; a newcomer's
+    open (on the fast lane) closes it first: the open sessions never exceed the streams (at capacity the state
+    pool would grow and drop its captured graphs). A close that fails is logged, not the open's failure."""
+
+    class FailingClose(LaneVocoder):
+        def close(self, session: Session) -> None:
+            super().close(session)
+            raise RuntimeError("close failed")
+
+    async def main() -> None:
+        vocoder = FailingClose()
+        batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, urgent_buffer_s=0.0,
+                                 fast_lane_code_budget=8)
+        old = await batcher.open("v", seed=1)
+        batcher.push(old, list(range(4)))  # its first chunk, on the fast lane
+        await old.out.get()
+        vocoder.hold_lane0.set()
+        vocoder.release.clear()
+        batcher.push(old, list(range(4, 9)))  # its second chunk: lane 0, held
+        while ("step", 0) not in [(call, lane) for call, lane, _ in vocoder.lanes]:
+            await asyncio.sleep(0.01)
+        left = await batcher.open("v", seed=2)
+        batcher.close(left)  # queued: the loop's next round waits for the held step
+        await batcher.open("v", seed=3)
+        assert vocoder.closed == ["v-2"] and batcher.num_open_sessions == 2  # old and the newcomer
+        vocoder.release.set()
+        assert (await old.out.get()).tolist() == [float(c) for c in (2, 3, 4) for _ in range(SAMPLES)]
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("mode", ["first_chunk", "newcomer", "off"])
 def test_background_step_waits_for_a_newcomers_first_chunk_when_told(mode: str) -> None:
     """A listener with 1 s buffered (background) has a chunk ready while a newcomer's first chunk is held on
