@@ -105,8 +105,16 @@ class RequestResult:
         return self.e2e_s / self.audio_s if self.num_samples else None
 
 
+# Reads that follow the previous one within this are the same chunk: the HTTP client reads at most 64 KiB at a
+# time, so a chunk of 25 codes (96,000 bytes of PCM16) arrives as two reads microseconds apart, while the
+# server's chunks are a vocoder step or more apart (several ms at least).
+CHUNK_MERGE_S = 0.002
+
+
 class AudioTimeline:
-    """Records audio arrivals of one request: TTFA, chunk gaps and the playback clock."""
+    """Records audio arrivals of one request: TTFA, chunk gaps and the playback clock. A chunk is a burst of
+    reads, each within CHUNK_MERGE_S of the one before; a gap is the time from a chunk's last read to the next
+    chunk's first."""
 
     def __init__(self, started: float, result: RequestResult) -> None:
         self.started = started
@@ -121,10 +129,11 @@ class AudioTimeline:
         result = self.result
         if self._last_at is None:
             result.ttfa_s = now - self.started
-        else:
+            result.num_chunks += 1
+        elif now - self._last_at >= CHUNK_MERGE_S:
             result.chunk_gaps_s.append(now - self._last_at)
+            result.num_chunks += 1
         self._last_at = now
-        result.num_chunks += 1
         result.num_samples += num_samples
         self.clock.add(now, num_samples)
 

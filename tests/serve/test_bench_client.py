@@ -24,7 +24,14 @@ from bench.client import (
     run_closed_loop,
 )
 from bench.client import main as client_main
-from bench.measure import PlaybackClock, speech_prompt_text, stall_positions, summarize
+from bench.measure import (
+    AudioTimeline,
+    PlaybackClock,
+    RequestResult,
+    speech_prompt_text,
+    stall_positions,
+    summarize,
+)
 from deployments.framing import wav_header
 from deployments.timeline import OPTIONAL_MARKS, STAGES
 from runtime.prompts import READ_ALOUD_PROMPT, ChatMessage, build_prompt_rows
@@ -45,6 +52,18 @@ def test_playback_clock_counts_each_stall_once_with_its_length() -> None:
     # runs out at 1.0; 1.5 stalls 0.5 -> runs out 2.0; 2.0 is just in time -> 2.5; 3.5 stalls 1.0
     assert (clock.num_underruns, clock.stall_s) == (2, 1.5)
     assert clock.stalled_at_audio_s == [1.0, 2.0]  # audio played before each stall: 4 and 8 samples
+
+
+def test_reads_of_one_chunk_make_one_chunk_and_no_gap() -> None:
+    """The HTTP client reads at most 64 KiB at a time, so a 96,000-byte chunk arrives as two reads
+    microseconds apart: one chunk. Gaps run from a chunk's last read to the next chunk's first."""
+    result = RequestResult()
+    timeline = AudioTimeline(0.0, result)
+    for at, samples in ((0.5, 100), (0.625, 32768), (0.62501, 15232), (0.75, 100), (0.7515, 100), (1.0, 50)):
+        timeline.add(at, samples)
+    timeline.finish(1.25)
+    assert (result.ttfa_s, result.num_chunks, result.num_samples, result.e2e_s) == (0.5, 4, 48350, 1.25)
+    assert result.chunk_gaps_s == pytest.approx([0.125, 0.12499, 0.2485])
 
 
 def test_summary_counts_failures_by_kind_and_keeps_each_distinct_message() -> None:
