@@ -6,7 +6,9 @@ Order: copy bandwidth (the roofline), kernel checks (bench/fast_checks.py), fast
 greedy tokens on the full random-weight model, then timings: decode steps (plain eager, fast eager,
 fast CUDA graph, FP8 graph) at several batch sizes with a 512-token context, 512-token prefill,
 FP8 GEMV kernels, FP8 logit drift, and the 24 GB profile in a subprocess (bench/profile_24gb.py).
-Nothing is timed unless the checks pass.
+A Triton kernel that fails its check is replaced by its PyTorch fallback before anything is timed
+(`fallback_ops`); a target counts as met (`summarize`) only when the float32 greedy tokens of the fast path
+equal the plain path's in every one-row mode (`verified`).
 """
 from __future__ import annotations
 
@@ -400,7 +402,10 @@ SERVING_DEFAULT = {"decode_bf16_b1": "fast_graph_gemv+pdl+tails2", "decode_bf16_
 def summarize(fast: dict) -> dict:
     """The issue's "done when" lines from one `run_fast` result: measured vs target, baseline beside. Each line
     quotes the serving default (SERVING_DEFAULT); the fastest variant of the run is named beside it."""
-    out: dict = {"copy_gbps": fast["copy_gbps"]}
+    # a fast answer is worth nothing if it is wrong: no target is met unless the fast path's float32 greedy
+    # tokens equal the plain path's in every one-row mode
+    verified = bool(fast["greedy_float32"]) and all(v["equal"] for v in fast["greedy_float32"].values())
+    out: dict = {"copy_gbps": fast["copy_gbps"], "verified": verified}
     by_batch = {e["batch"]: e for e in fast["decode"]}
     for key, batch in (("decode_bf16_b1", 1), ("decode_bf16_b64", 64), ("decode_bf16_b128", 128),
                        ("decode_fp8_b1", 1)):
@@ -414,7 +419,7 @@ def summarize(fast: dict) -> dict:
         name = SERVING_DEFAULT[key] if SERVING_DEFAULT[key] in entry else fastest
         t = entry[name]
         out[key] = {"variant": name, "serving_default": name == SERVING_DEFAULT[key], "median_ms": t["median_ms"],
-                    "target_ms": TARGETS_MS[key], "meets_target": t["median_ms"] <= TARGETS_MS[key],
+                    "target_ms": TARGETS_MS[key], "meets_target": verified and t["median_ms"] <= TARGETS_MS[key],
                     "fastest_variant": fastest, "fastest_ms": entry[fastest]["median_ms"],
                     "plain_eager_ms": entry["plain_eager"]["median_ms"],
                     "speedup_vs_plain": round(entry["plain_eager"]["median_ms"] / t["median_ms"], 2),
@@ -423,13 +428,13 @@ def summarize(fast: dict) -> dict:
         if audio is not None:  # the same graph's audio-only step: what speech output runs (docs/gpu.md)
             checks = entry.get("audio_only_checks", {}).get(name, {})
             out[key]["audio_only"] = {
-                "median_ms": audio["median_ms"], "meets_target": audio["median_ms"] <= TARGETS_MS[key],
+                "median_ms": audio["median_ms"], "meets_target": verified and audio["median_ms"] <= TARGETS_MS[key],
                 "weight_plus_kv_gbps": audio["weight_plus_kv_gbps"], "copy_fraction": audio["copy_fraction"],
                 "verified": bool(checks) and all(checks.values())}
     pre = fast["prefill"]
     name = min(("fast_eager", "fast_graph"), key=lambda n: pre[n]["median_ms"])
     out["prefill_512"] = {"variant": name, "median_ms": pre[name]["median_ms"], "target_ms": TARGETS_MS["prefill_512"],
-                          "meets_target": pre[name]["median_ms"] <= TARGETS_MS["prefill_512"],
+                          "meets_target": verified and pre[name]["median_ms"] <= TARGETS_MS["prefill_512"],
                           "plain_eager_ms": pre["plain_eager"]["median_ms"], "tflops": pre[name]["tflops"],
                           "fast_eager_ms": pre["fast_eager"]["median_ms"]}
     out["greedy_equal_float32"] = {k: v["equal"] for k, v in fast["greedy_float32"].items()}
