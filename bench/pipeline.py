@@ -327,6 +327,8 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                     await pipeline.closed_loop(make_request, concurrency, args.warmup)
                 lag.start()
                 del pipeline.steps[:]
+                # the engine's and the batcher's counters run for the process: this level's are differences
+                preemptions_before, steps_before = pipeline.engine.stats().num_preemptions, pipeline.batcher.num_steps
                 results, wall_s = await pipeline.closed_loop(make_request, concurrency, count, args.ramp_s,
                                                              args.listen)
                 stats = pipeline.engine.stats()
@@ -334,8 +336,8 @@ async def run(args: argparse.Namespace, levels: list[int], text: str,
                                      prompt_input=prompt_input, vocoder_batching=policy,
                                      step_code_budget=pipeline.batcher.step_code_budget,
                                      driver_loop_lag_s=lag.stop(),
-                                     engine_preemptions=stats.num_preemptions,
-                                     vocoder_steps=pipeline.batcher.num_steps,
+                                     engine_preemptions=stats.num_preemptions - preemptions_before,
+                                     vocoder_steps=pipeline.batcher.num_steps - steps_before,
                                      vocoder_step_kinds=step_kinds(pipeline.steps)))
             summary.update(_device_info(summary["settings"]["engine"].get("device", "cpu")), levels=out)
             if args.out:

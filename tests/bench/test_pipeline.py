@@ -173,6 +173,10 @@ def test_speech_input_runs_each_level_encoded_first_then_as_text_of_the_same_pro
         assert level["num_prompt_tokens_seen"] == [41]
         encodes = level["vocoder_step_kinds"].get("encode", {}).get("count", 0)
         assert encodes == (2 if level["prompt_input"] == "speech" else 0)
+        # this level's steps, not the process's running total
+        assert level["vocoder_steps"] == sum(kind["count"] for name, kind in level["vocoder_step_kinds"].items()
+                                             if name != "encode")
+        assert level["engine_preemptions"] == 0
         assert level["first_codes_s"]["count"] == 2
     # the text in the audio's place: one byte-level token per character for the segment's 19 + 2 rows
     assert text_question(19, 5) == "5000000 The quick bro"
