@@ -50,7 +50,7 @@ from runtime.config import ModelConfig
 from runtime.cuda_graph import DecodeGraphRunner, PrefillGraphRunner
 from runtime.fast_forward import FastForward, StepInputs
 from runtime.fast_ops import TritonOps
-from runtime.fused import fuse_model_weights, with_fp8
+from runtime.fused import FusedWeights, fuse_model_weights, with_fp8
 from runtime.kernels import pdl_supported
 from runtime.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block
 from runtime.model import MossSpeechForCausalLM, build_model
@@ -82,6 +82,15 @@ def float32_checks(model: MossSpeechForCausalLM, ops: TritonOps, prompt: list, b
     del model32, weights32, cache
     torch.cuda.empty_cache()
     return out, ref
+
+
+def step_read_bytes(weights: FusedWeights, kv_bytes: int, num_layer_instances: int, audio_only: bool) -> int:
+    """Bytes a decode step reads: its matrices and the KV of every layer instance that attends (`kv_bytes`
+    covers all of them). The audio-only step skips the text tail's last o, gate/up, down and the text head,
+    and that layer only stores its row's K/V: it reads no KV."""
+    if not audio_only:
+        return weights.matrix_bytes() + kv_bytes
+    return weights.audio_only_matrix_bytes() + kv_bytes * (num_layer_instances - 1) // num_layer_instances
 
 
 def audio_only_checks(graphs: dict, run_args: tuple, cache: KVCache) -> dict:
@@ -317,8 +326,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
         for name, (fn, w) in variants.items():
             t = times[name] if name in times else time_ms(fn, 3, max(5, args.reps // 3))
             sec = t["median_ms"] / 1e3
-            gbps = ((w.audio_only_matrix_bytes() if name.endswith(":audio") else w.matrix_bytes()) + kv_bytes
-                    ) / sec / 1e9
+            gbps = step_read_bytes(w, kv_bytes, config.num_layer_instances, name.endswith(":audio")) / sec / 1e9
             entry[name] = {**t, "weight_plus_kv_gbps": round(gbps, 1), "copy_fraction": round(gbps / copy_gbps, 3),
                            "tokens_per_s": round(b / sec, 1)}
         log(f"decode B={b}: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in variants))

@@ -1,6 +1,8 @@
 """bench/fast_bench.py's "done when" summary quotes the serving default, not the luckiest variant."""
 from __future__ import annotations
 
+import torch
+
 from bench.fast_bench import SERVING_DEFAULT, TARGETS_MS, summarize
 
 
@@ -80,3 +82,22 @@ def test_no_target_is_met_when_the_fast_path_gives_other_greedy_tokens() -> None
     assert [out[k]["meets_target"] for k in ("decode_bf16_b1", "decode_bf16_b64", "decode_fp8_b1", "prefill_512")] \
         == [False, False, False, False]
     assert out["decode_bf16_b1"]["median_ms"] == 4.4  # still reported, not claimed
+
+
+def test_the_audio_only_step_reads_the_kv_of_one_layer_instance_fewer() -> None:
+    """The text tail's last layer only stores its K/V row in an audio-only step: the bytes behind its GB/s
+    leave that layer's KV out, as they leave out its o, gate/up, down and the text head."""
+    from bench.fast_bench import step_read_bytes
+    from runtime.config import ModelConfig
+    from runtime.fused import fuse_model_weights
+    from runtime.kv_cache import kv_bytes_per_block
+    from runtime.model import build_model
+
+    model = build_model(ModelConfig.preset("tiny"), seed=0)
+    config, weights = model.config, fuse_model_weights(model)
+    per_token = kv_bytes_per_block(config, 1, torch.bfloat16)
+    kv = 3 * 513 * per_token  # 3 sequences of 513 keys
+    layer_kv = 3 * 513 * per_token // config.num_layer_instances
+    assert step_read_bytes(weights, kv, config.num_layer_instances, False) == weights.matrix_bytes() + kv
+    assert step_read_bytes(weights, kv, config.num_layer_instances, True) == (
+        weights.audio_only_matrix_bytes() + kv - layer_kv)
