@@ -50,6 +50,11 @@ class BenchError(RuntimeError):
     """Verification failed: the numbers would be meaningless, so nothing is timed."""
 
 
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile (0 < q <= 1) of sorted samples by the nearest-rank method: the ceil(q * n)-th smallest."""
+    return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
+
+
 @dataclass(frozen=True)
 class Timing:
     """Repetition times of one measured operation, in milliseconds."""
@@ -62,10 +67,14 @@ class Timing:
         return statistics.median(self.samples_ms)
 
     @property
+    def p10_ms(self) -> float:
+        """10th percentile (nearest rank) repetition time."""
+        return nearest_rank(sorted(self.samples_ms), 0.1)
+
+    @property
     def p90_ms(self) -> float:
         """90th percentile (nearest rank) repetition time."""
-        ordered = sorted(self.samples_ms)
-        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+        return nearest_rank(sorted(self.samples_ms), 0.9)
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> Timing:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from bench.engine import nearest_rank
 from vocoder.speech_encoder import INPUT_SAMPLE_RATE, MEL_HOP, SpeechEncoder, log_mel, speech_encoder_for
 
 
@@ -66,11 +67,7 @@ def wall_ms(fn, device: torch.device, warmup: int, reps: int) -> dict[str, float
         sync(device)
         samples.append((time.perf_counter() - start) * 1e3)
     ordered = sorted(samples)
-
-    def rank(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
-
-    return {"p50_ms": rank(0.5), "p90_ms": rank(0.9), "p99_ms": rank(0.99), "reps": reps}
+    return {f"p{round(q * 100)}_ms": round(nearest_rank(ordered, q), 3) for q in (0.5, 0.9, 0.99)} | {"reps": reps}
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

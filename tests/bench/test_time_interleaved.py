@@ -23,5 +23,15 @@ def test_summary_is_taken_over_the_pooled_samples(monkeypatch) -> None:
     rounds = iter([[1.0, 1.0, 9.0], [2.0, 2.0, 2.0], [5.0, 6.0, 7.0]])
     monkeypatch.setattr(fast_tools, "time_fn", lambda fn, dev, warmup, reps: Timing(next(rounds)))
     got = time_interleaved({"x": lambda: None}, warmup=0, reps=3, rounds=3, device=torch.device("cpu"))["x"]
-    # pooled: 1 1 2 2 2 5 6 7 9 -> median 2, p10 (index 0) 1, p90 (nearest rank 9th of 9) 9
+    # pooled: 1 1 2 2 2 5 6 7 9 -> median 2, p10 (nearest rank, 1st of 9) 1, p90 (9th of 9) 9
     assert got == {"median_ms": 2.0, "p10_ms": 1.0, "p90_ms": 9.0, "round_medians_ms": [1.0, 2.0, 6.0]}
+
+
+def test_percentiles_take_the_nearest_rank() -> None:
+    """The ceil(q * n)-th smallest sample: p10 of 1..10 is 1 (an index of n // 10 gave 2), of 1..30 is 3."""
+    from bench.engine import nearest_rank
+
+    for n, p10, p90 in ((1, 1.0, 1.0), (10, 1.0, 9.0), (30, 3.0, 27.0), (90, 9.0, 81.0), (91, 10.0, 82.0)):
+        timing = Timing([float(x) for x in range(n, 0, -1)])  # unsorted on purpose
+        assert (timing.p10_ms, timing.p90_ms) == (p10, p90)
+    assert [nearest_rank([1.0, 2.0, 3.0, 4.0], q) for q in (0.25, 0.5, 0.99, 1.0)] == [1.0, 2.0, 4.0, 4.0]
