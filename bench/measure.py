@@ -262,15 +262,17 @@ def playback_left_s(result: RequestResult) -> float:
 
 async def closed_loop(run_one: Callable[[], Awaitable[RequestResult]], concurrency: int, num_requests: int,
                       ramp_s: float = 0.0, listen: bool = False,
-                      sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> tuple[list[RequestResult], float]:
+                      sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                      clock: Callable[[], float] = time.perf_counter) -> tuple[list[RequestResult], float]:
     """`concurrency` workers run `num_requests` requests back to back -> (results, wall seconds).
 
     With `ramp_s` > 0, worker k starts k * ramp_s / concurrency seconds after worker 0: arrivals are spread
     as in a service that has been running for a while, instead of all at once (a burst, ramp_s = 0).
     With `listen`, a worker plays each reply in real time before it sends its next request (one turn of a
-    conversation; `playback_left_s`), so `concurrency` is the number of simultaneous listeners; without
-    it, a worker sends its next request as soon as the last byte arrived, and a server faster than real
-    time serves more audio per second than `concurrency` listeners would hear.
+    conversation; `playback_left_s`, counted from the response's end: work `run_one` does after it, such as
+    fetching the server's summary, is part of that wait), so `concurrency` is the number of simultaneous
+    listeners; without it, a worker sends its next request as soon as the last byte arrived, and a server
+    faster than real time serves more audio per second than `concurrency` listeners would hear.
     """
     remaining = iter(range(num_requests))
     results: list[RequestResult] = []
@@ -280,15 +282,18 @@ async def closed_loop(run_one: Callable[[], Awaitable[RequestResult]], concurren
         if k and ramp_s > 0:
             await sleep(k * ramp_s / workers)
         last: RequestResult | None = None
+        after_end_s = 0.0  # how long `run_one` went on after the last response ended
         for _ in remaining:  # a shared iterator: each index is taken by exactly one worker
             if listen and last is not None:
-                await sleep(playback_left_s(last))
+                await sleep(max(0.0, playback_left_s(last) - after_end_s))
+            sent = clock()
             last = await run_one()
+            after_end_s = max(0.0, clock() - sent - last.e2e_s)
             results.append(last)
 
-    started = time.perf_counter()
+    started = clock()
     await asyncio.gather(*(worker(k) for k in range(workers)))
-    return results, time.perf_counter() - started
+    return results, clock() - started
 
 
 def _error_key(result: RequestResult) -> str:

@@ -106,6 +106,26 @@ def test_listening_workers_wait_for_each_reply_to_be_heard_before_the_next_reque
     assert asyncio.run(go(False)) == []
 
 
+def test_a_listeners_wait_counts_from_the_end_of_the_response() -> None:
+    """Work after the response (the client fetching the server's summary) is time the listener already spent
+    listening: the next request goes out when the reply has been heard, not that much later."""
+    now = [0.0]
+    waits: list[float] = []
+    replies = iter([heard(0.1, 1.0, 0.0, 0.5), heard(0.1, 1.0, 0.0, 0.5), heard(0.1, 1.0, 0.0, 0.5)])
+    spent = iter([0.5, 0.7, 2.0])  # the first: only its response; the others 0.2 s and 1.5 s longer
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        now[0] += seconds
+
+    async def run_one() -> RequestResult:
+        now[0] += next(spent)
+        return next(replies)
+
+    asyncio.run(closed_loop(run_one, 1, 3, listen=True, sleep=sleep, clock=lambda: now[0]))
+    assert waits == pytest.approx([0.6, 0.4])  # 0.1 + 1.0 - 0.5 s left of each reply, less the extra 0 / 0.2 s
+
+
 def test_requests_per_level_accepts_one_count_or_one_per_level() -> None:
     assert requests_per_level([1, 8, 64], None) == [8, 16, 128]
     assert requests_per_level([1, 8], "5") == [5, 5]
