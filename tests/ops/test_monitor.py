@@ -140,8 +140,10 @@ def test_missing_dashboard_metrics_lists_names_not_in_the_scrape() -> None:
     dashboard = {"panels": [{"targets": [{"expr": "sum(ray_moss_active_streams)"}]},
                             {"type": "row", "panels": [{"targets": [{"expr": "rate(ray_moss_nope_total[1m])"}]}]}]}
     assert missing_dashboard_metrics(dashboard, parse_samples(exposition())) == {"ray_moss_nope_total"}
-    # a counter of events that may never happen (preemptions) is exported at its first one: not a fault
-    dashboard["panels"].append({"targets": [{"expr": "rate(ray_moss_preemptions_total[1m])"}]})
+    # a counter of events that may never happen (preemptions; speech input where the encoder is off) is
+    # exported at its first one: not a fault
+    dashboard["panels"] += [{"targets": [{"expr": "rate(ray_moss_preemptions_total[1m])"}]},
+                            {"targets": [{"expr": "rate(ray_moss_speech_input_seconds_total[1m])"}]}]
     assert missing_dashboard_metrics(dashboard, parse_samples(exposition())) == {"ray_moss_nope_total"}
 
 
