@@ -71,7 +71,10 @@ class VocoderServer:
         self._metrics.step_seconds.observe(seconds, tags={"kind": kind})
         if kind != "finish":
             self._metrics.batch_size.observe(num_streams)
-            self._batch_sizes.add(num_streams)
+            if not kind.startswith("fast-"):
+                # occupancy is the main lane's: the fast lane's steps (newcomers' first chunks, a code budget
+                # of their own) are small by design and would pull the mean down, and with it the scaling
+                self._batch_sizes.add(num_streams)
 
     def check_health(self) -> None:
         """Serve's replica health check: raises VocoderUnhealthyError after a vocoder call failed with a device

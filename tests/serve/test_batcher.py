@@ -603,6 +603,15 @@ def vocoder_server(vocoder: RecordingVocoder, llm_stream: LLMStream) -> object:
     return server
 
 
+def test_batch_occupancy_is_the_main_lanes() -> None:
+    """The fast lane's one-stream steps do not pull the occupancy (which scales the vocoder up) down."""
+    server = vocoder_server(ChunkVocoder(), LLMStream([]))
+    for kind, streams in (("background", 8), ("fast-first", 1), ("urgent", 4), ("fast-urgent", 1), ("finish", 2)):
+        server._on_step(kind, streams, 0.01)
+    assert server.record_autoscaling_stats()["batch_occupancy"] == (8 + 4) / 2 / 8
+    assert server._metrics.batch_size.values == [8, 1, 4, 1]  # the histogram keeps every step's size
+
+
 def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -> None:
     from deployments.errors import internal_error
 
