@@ -168,7 +168,12 @@ class Scheduler:
                 num_tokens = min(seq.num_uncomputed, budget)
                 if num_tokens == 0:
                     break
-                while self.block_manager.allocate_slots(seq, num_tokens) is None:
+                allocated = self.block_manager.allocate_slots(seq, num_tokens) is not None
+                while not allocated:
+                    if seq.rows[-1] is PENDING_ROW:
+                        # its newest row is still being sampled (asynchronous steps) and may stop it: nobody
+                        # is preempted for a row that may be thrown away; it waits a step for the row
+                        break
                     victim = self.running[-1]
                     self._preempt(victim)
                     out.preempted.append(victim.request_id)
@@ -177,7 +182,8 @@ class Scheduler:
                         budget += dropped.num_tokens
                     if victim is seq:
                         break
-                if seq.status is SequenceStatus.RUNNING:
+                    allocated = self.block_manager.allocate_slots(seq, num_tokens) is not None
+                if allocated:
                     scheduled[seq.request_id] = self._chunk(seq, num_tokens)
                     budget -= num_tokens
         if not out.preempted:
@@ -266,9 +272,11 @@ class Scheduler:
         return seq
 
     def expire_waiting(self) -> list[Sequence]:
-        """Finish (reason "error") every waiting sequence queued longer than `queue_timeout_s`."""
+        """Finish (reason "error") every waiting sequence queued longer than `queue_timeout_s` that has never
+        run: a preempted one has streamed output already and waits at the head of the queue to go on."""
         now = self.clock()
-        expired = [s for s in self.waiting if now - s.enqueue_time > self.config.queue_timeout_s]
+        expired = [s for s in self.waiting
+                   if s.num_admissions == 0 and now - s.enqueue_time > self.config.queue_timeout_s]
         for seq in expired:
             self._finish(seq, "error", f"request waited more than {self.config.queue_timeout_s:g} s in the queue")
         return expired
@@ -283,9 +291,9 @@ class Scheduler:
             if bm.allocate_slots(seq, num_tokens, cached) is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            bm.record_prefix_lookup(seq.num_rows, num_cached)
             seq.num_computed_tokens = num_cached
-            if seq.num_admissions == 0:
+            if seq.num_admissions == 0:  # the prefix cache's counts are of prompts, not of preemptions' recomputes
+                bm.record_prefix_lookup(seq.num_rows, num_cached)
                 seq.num_cached_tokens = num_cached
             seq.num_admissions += 1
             seq.status = SequenceStatus.RUNNING

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 import runtime.engine as engine_module
-from runtime.config import AUDIO_PAD_ID, EOSP_ID, IM_START_ID, MODALITY_PAD_ID, SOSP_ID, ModelConfig, Row
+from runtime.config import (
+    AUDIO_PAD_ID,
+    EOSP_ID,
+    IM_END_ID,
+    IM_START_ID,
+    MODALITY_PAD_ID,
+    SOSP_ID,
+    ModelConfig,
+    Row,
+)
 from runtime.engine import (
     BROKEN_LOGITS_MESSAGE,
     Engine,
@@ -389,6 +398,8 @@ def test_preemption_and_recompute_keep_outputs(
         assert generated(seqs[request.request_id]) == reference_rows(model, request)[0]
     assert core.stats().num_blocks_used == 0
     assert all(b.ref_count == 0 for b in core.block_manager.blocks)
+    # the prefix cache counts prompts looked up at their first admission, not a preempted one's recompute
+    assert core.stats().prefix_cache_queries == sum(len(r.prompt_rows) for r in requests)
 
 
 @pytest.mark.parametrize("async_steps", ASYNC_STEPS)
@@ -504,6 +515,51 @@ def test_queue_timeout_ends_a_waiting_request(model: MossSpeechForCausalLM) -> N
     events = core.step()
     assert ("b", Finished("error", 5, 0, 0, 0, "request waited more than 10 s in the queue")) in events
     assert core.stats().num_waiting == 0 and core.stats().num_running == 1
+
+
+def test_queue_timeout_spares_a_preempted_request_that_has_streamed(model: MossSpeechForCausalLM) -> None:
+    """The timeout is for requests that never started: a preempted one, back at the head of the queue after
+    streaming codes, runs to its end however long the steps take."""
+    rng = random.Random(3)
+    requests = [GenerationRequest(name, prompt(rng, 6, audio_out=True), GREEDY, GREEDY, max_new_tokens=24,
+                                  min_new_tokens=24) for name in "ab"]
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(num_blocks=8, queue_timeout_s=2.0))
+    now = [0.0]
+    core.scheduler.clock = lambda: now[0]
+    for request in requests:
+        core.add_request(request)
+    finished: dict[str, Finished] = {}
+    while core.has_work:
+        finished |= {rid: e for rid, e in core.step() if isinstance(e, Finished)}
+        now[0] += 0.25  # a slow step: the preempted request waits longer than the timeout
+    assert core.stats().num_preemptions >= 1
+    assert {rid: (e.reason, e.error) for rid, e in finished.items()} == {"a": ("length", None), "b": ("length", None)}
+
+
+def test_async_steps_preempt_nobody_for_a_row_whose_sampled_stop_is_not_read_yet() -> None:
+    """The next step is scheduled before this step's rows are read; a request whose newest row is still being
+    sampled (here a stop row) and needs a new block waits a step instead of preempting another request for a
+    row that is thrown away: the batches are the synchronous steps' ones."""
+    stopping = build_model(CONFIG, seed=0)
+    forward = stopping.forward
+
+    def always_im_end(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        text, audio = forward(*args, **kwargs)
+        text = text.clone()
+        text[:, IM_END_ID] += 1e4  # every text-mode row samples <|im_end|>: a stop row
+        return text, audio
+
+    stopping.forward = always_im_end
+    rng = random.Random(0)
+    a = GenerationRequest("a", prompt(rng, 8, audio_out=False), GREEDY, GREEDY, max_new_tokens=5)  # stops at once
+    b = GenerationRequest("b", prompt(rng, 20, audio_out=True), GREEDY, GREEDY, max_new_tokens=5)
+    runs = {}
+    for async_steps in ASYNC_STEPS:
+        core = EngineCore(stopping, Tokenizer.tiny(), engine_config(num_blocks=7, async_scheduling=async_steps))
+        seqs, _ = run_core(core, {0: [a, b]})
+        runs[async_steps] = (core.stats().num_preemptions, seqs["b"].num_admissions,
+                             sum(r.num_rows for r in core.step_log), [seqs[k].finish_reason for k in "ab"])
+    assert runs[True] == runs[False] == (0, 1, 32, ["stop", "length"])
 
 
 def test_kv_pool_sizing_and_config_validation(model: MossSpeechForCausalLM) -> None:
