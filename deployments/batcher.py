@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import is_device_error
+from vocoder.session import check_codes
 
 END = None  # put on a stream's queue after its last PCM chunk
 POLICIES = ("deadline", "fifo")
@@ -300,10 +301,12 @@ class VocoderBatcher:
             self.device_error = repr(exc)
 
     def push(self, stream: BatchedStream, codes: Sequence[int]) -> None:
-        """Queue codes for the next step (never blocks)."""
+        """Queue codes for the next step (never blocks). Codes outside 0..16383 are a ValueError here, for
+        this stream's producer alone: in a step they would fail every stream of the batch."""
         assert not stream.is_ended, "push after end"
         if not codes:
             return
+        codes = check_codes(codes)
         if not stream.pending:
             stream.pending_since = time.monotonic()
         stream.pending.extend(codes)

@@ -73,8 +73,11 @@ def check_codes(codes: Sequence[int]) -> list[int]:
         raise ValueError(f"codes must be one-dimensional, got shape {tuple(codes.shape)}")
     out = []
     for i, code in enumerate(codes):
+        raw = code.item() if hasattr(code, "item") else code
+        if isinstance(raw, bool):  # an int to operator.index, never a code
+            raise ValueError(f"codes[{i}] = {code!r} is a boolean, not a code")  # noqa: TRY004 - every bad code is one
         try:
-            value = operator.index(code.item() if hasattr(code, "item") else code)
+            value = operator.index(raw)
         except TypeError:
             raise ValueError(f"codes[{i}] = {code!r} is not an integer") from None
         if not 0 <= value < NUM_AUDIO_CODES:

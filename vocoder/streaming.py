@@ -91,7 +91,9 @@ class StreamingVocoder:
     (docs/vocoder.md states the measured bound). Not thread-safe, with one exception: drive one instance
     from one thread (or event loop) at a time, except that steps on different lanes (`add_lane`) may run
     on different threads at once (calls on one lane wait for each other), as long as no session is in two
-    calls at once. `open` runs on a lane like a step; `close` may come from any thread.
+    calls at once. `open` runs on a lane like a step; `close` may come from any thread, but not for a session
+    in a call still running (its slot goes back to the pool at once, and the next `open` may take it while
+    that call still writes it; `deployments/batcher.py` closes only sessions no step holds).
     """
 
     def __init__(

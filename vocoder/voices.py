@@ -53,10 +53,14 @@ class Voice:
     @classmethod
     def load(cls, path: str | Path, name: str | None = None) -> Voice:
         """Read a voice file (safetensors with keys speaker_embedding, prompt_codes, prompt_mel)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = Path(path)
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as exc:  # a pickle renamed .safetensors, a directory, a truncated file
+            raise ValueError(f"voice file {path} cannot be read as safetensors: {exc}") from None
         missing = {"speaker_embedding", "prompt_codes", "prompt_mel"} - tensors.keys()
         if missing:
             raise ValueError(f"voice file {path} lacks {sorted(missing)}")

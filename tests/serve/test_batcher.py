@@ -603,6 +603,25 @@ def vocoder_server(vocoder: RecordingVocoder, llm_stream: LLMStream) -> object:
     return server
 
 
+def test_codes_out_of_range_fail_their_push_not_the_step_of_every_stream() -> None:
+    """A bad code (the EOSP id, a bool) is refused when its stream pushes it; its batch-mates are served."""
+
+    async def main() -> None:
+        batcher = VocoderBatcher(ChunkVocoder(), max_batch_size=8, sample_rate=24000, policy="deadline")
+        good, bad = [await batcher.open("v", seed=i) for i in (1, 2)]
+        for codes, message in (([1, 16384], "codes\\[1\\] = 16384 is out of range 0..16383"),
+                               ([True], "is a boolean, not a code")):
+            with pytest.raises(ValueError, match=message):
+                batcher.push(bad, codes)
+        assert bad.pending == [] and bad.num_codes == 0
+        batcher.push(good, [5, 6, 7])
+        batcher.end(good)
+        assert await asyncio.wait_for(drain(good.out), 5) == [float(x) for x in (5, 6, 7) for _ in range(SAMPLES)]
+        await batcher.shutdown()
+
+    asyncio.run(main())
+
+
 def test_batch_occupancy_is_the_main_lanes() -> None:
     """The fast lane's one-stream steps do not pull the occupancy (which scales the vocoder up) down."""
     server = vocoder_server(ChunkVocoder(), LLMStream([]))

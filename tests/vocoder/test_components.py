@@ -155,6 +155,19 @@ def test_a_voice_file_of_the_wrong_types_is_refused_before_any_cast(tmp_path: Pa
         Voice.load(tmp_path / "intspeaker.safetensors")
 
 
+def test_a_voice_file_that_is_not_safetensors_is_a_value_error_naming_it(tmp_path: Path) -> None:
+    """A pickle renamed .safetensors, or a directory of that name: the error names the file (it used to be
+    the safetensors library's own error, or an OSError)."""
+    import pickle
+
+    (tmp_path / "pickled.safetensors").write_bytes(pickle.dumps({"speaker_embedding": [0.0] * 192}))
+    (tmp_path / "folder.safetensors").mkdir()
+    for name in ("pickled", "folder"):
+        path = tmp_path / f"{name}.safetensors"
+        with pytest.raises(ValueError, match=f"voice file {path} cannot be read as safetensors"):
+            Voice.load(path)
+
+
 def test_state_pool_grows_and_keeps_slots() -> None:
     pool = FlowStatePool(
         [(3, 2), (5, 1)], num_steps=2, num_branches=2, device="cpu", dtype=torch.float32, capacity=1
@@ -216,6 +229,9 @@ def test_check_codes_accepts_int_sequences_only() -> None:
         check_codes("12")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an integer"):
         check_codes(np.array([1.0]))
+    for booleans in ([True, False], np.array([True]), torch.tensor([False])):  # ints to operator.index
+        with pytest.raises(ValueError, match="is a boolean, not a code"):
+            check_codes(booleans)
 
 
 def test_solve_equals_euler_steps_with_per_row_time_embedding() -> None:
