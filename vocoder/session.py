@@ -39,6 +39,7 @@ class VocoderSession:
     is_closed: bool = False
     lane: int = 0  # the StreamingVocoder lane of its last call (its tensors were made on that lane's stream)
     schedule: tuple[int, ...] = ()  # low latency: the chunk sizes (codes) it follows, fixed at open
+    owner: int = 0  # id() of the StreamingVocoder that opened it: its slot means something only there
 
     @property
     def num_prompt_codes(self) -> int:

@@ -510,6 +510,7 @@ class StreamingVocoder:
                         emitted_frames=_F * p,
                         lane=lane,
                         schedule=chosen,
+                        owner=id(self),
                     )
                 )
             with self._primed_lock:
@@ -567,6 +568,8 @@ class StreamingVocoder:
         """Drop a session without producing more audio (abort); idempotent."""
         if not isinstance(session, VocoderSession):
             raise TypeError(f"expected a VocoderSession, got {type(session).__name__}")
+        if session.owner != id(self):
+            raise ValueError("session was opened by another vocoder")
         if not session.is_closed:
             session.is_closed = True
             self.pool.release(session.slot)
@@ -716,6 +719,8 @@ class StreamingVocoder:
         for s in sessions:
             if not isinstance(s, VocoderSession):
                 raise TypeError(f"expected a VocoderSession, got {type(s).__name__}")
+            if s.owner != id(self):  # its slot is a row of another vocoder's pool: here it would be another's
+                raise ValueError("session was opened by another vocoder")
             if s.is_closed:
                 raise ValueError("session is closed (finished or aborted)")
             if id(s) in seen:

@@ -175,6 +175,15 @@ def test_unknown_voice_and_bad_seed(vocoder: StreamingVocoder) -> None:
     session = vocoder.open("default")
     with pytest.raises(ValueError, match="twice"):
         vocoder.step([(session, [1]), (session, [2])])
+    # a session of another vocoder: its slot is a row of that vocoder's pool, another session's here
+    other = StreamingVocoder.from_preset("tiny", config=exact_config())
+    foreign = other.open("default")
+    for call in (lambda: vocoder.push(foreign, [1, 2]), lambda: vocoder.step([(foreign, [1])]),
+                 lambda: vocoder.close(foreign)):
+        with pytest.raises(ValueError, match="opened by another vocoder"):
+            call()
+    assert not foreign.is_closed and other.num_open_sessions == 1
+    other.close(foreign)
     vocoder.close(session)
 
 
