@@ -55,9 +55,9 @@ def decode_input_audio(data: str, audio_format: str, *, param: str, max_seconds:
             if channels > MAX_SOURCE_CHANNELS:
                 raise bad_request(f"input audio has {channels} channels; at most {MAX_SOURCE_CHANNELS} are taken",
                                   param=param, code="invalid_audio")
-            most = int(max_seconds * rate)
-            if _header_frames(file) > most:  # refused before decoding
-                raise too_long(_header_frames(file) / rate)
+            most, frames = int(max_seconds * rate), _header_frames(file)
+            if frames > most:  # refused before decoding
+                raise too_long(frames / rate)
             blocks = []
             for block in file.blocks(READ_BLOCK_FRAMES, dtype="float32", always_2d=True):
                 most -= len(block)

@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
 
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.args import AppArgs
-from deployments.errors import ApiError, error_event, internal_error, serve_over_capacity, timeout_error
+from deployments.errors import ApiError, error_event, internal_error, timeout_error
 from deployments.metrics import IngressMetrics
 from deployments.streams import ChatCompletionPlan, StreamPlan, chat_plan, speech_plan
 from deployments.validation import Limits, chat_request, speech_request
@@ -106,7 +105,7 @@ class Ingress:
                 "id": self._args.served_model_name, "object": "model", "created": self._created,
                 "owned_by": "moss-speech-serve"}]})
         if path == "/admin/stats":
-            llm, vocoder = await self._unary(asyncio.gather(self._llm.stats.remote(), self._vocoder.stats.remote()),
+            llm, vocoder = await self._remote(asyncio.gather(self._llm.stats.remote(), self._vocoder.stats.remote()),
                                              deadline)
             return JSONResponse({"llm": llm, "vocoder": vocoder,
                                  "ingress": {"active_requests": self._num_active}})
@@ -122,19 +121,22 @@ class Ingress:
         if error_kind is not None:
             self._metrics.errors.inc(tags={"kind": error_kind})
 
-    async def _unary(self, awaitable: Any, deadline: float) -> Any:
-        """The result of a call on another deployment that answers once: a 504 past `_within`'s deadlines (a
-        replica's every call queues behind its `max_ongoing_requests` streams), a 503 when Serve refuses it."""
+    async def _remote(self, awaitable: Any, deadline: float) -> Any:
+        """The result of a call on another deployment (or of a stream's next event): an ApiError after
+        `_within`'s deadlines (504; a replica's every call queues behind its `max_ongoing_requests` streams)
+        or for a remote failure (`error_event`: Serve refusing the call is a 503); StopAsyncIteration passes."""
         try:
             return await self._within(awaitable, deadline)
         except TimeoutError:
             raise timeout_error("the request timed out on the server") from None
-        except (BackPressureError, DeploymentUnavailableError) as exc:  # e.g. a new replica under load
-            raise serve_over_capacity(exc, self._args.retry_after_s) from None
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any remote failure becomes an HTTP error
+            raise ApiError.from_event(error_event(exc, retry_after_s=self._args.retry_after_s)) from None
 
     async def _get_limits(self, deadline: float) -> Limits:
         if self._limits is None:  # voice names come from the vocoder replica once, then are cached
-            voices = await self._unary(self._vocoder.voices.remote(), deadline)
+            voices = await self._remote(self._vocoder.voices.remote(), deadline)
             self._limits = Limits(
                 served_model_name=self._args.served_model_name, voices=voices,
                 max_input_chars=self._args.max_input_chars,
@@ -189,14 +191,7 @@ class Ingress:
 
     async def _next(self, stream: Any, deadline: float) -> dict[str, Any]:
         """The next event, or an ApiError after the idle timeout or the request deadline."""
-        try:
-            return await self._within(anext(stream), deadline)
-        except TimeoutError:
-            raise timeout_error("the request timed out on the server") from None
-        except StopAsyncIteration:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any remote failure becomes an HTTP error
-            raise ApiError.from_event(error_event(exc, retry_after_s=self._args.retry_after_s)) from None
+        return await self._remote(anext(stream), deadline)
 
     async def _stream(self, route: str, payload: dict[str, Any], plan: StreamPlan, received_at: float,
                       deadline: float) -> Response:
