@@ -15,11 +15,13 @@ float32 row of the same run is the baseline (`speedup_vs_eager`).
 
 Rows, in this order (a partial JSON is written after each one with --out):
 - kind "first_chunk", one per variant: one stream, open() then the push of the codes the first chunk
-  needs (low latency: first scheduled chunk + 3 lookahead codes = 5), median over rounds after graphs
-  are captured; `samples` is what that push returned (low: 2 codes minus the held-back overlap).
+  needs (low latency: first scheduled chunk + 3 lookahead codes = 5); median, p10 and p90 (nearest
+  rank) over rounds after graphs are captured; `samples` is what that push returned (low: 2 codes
+  minus the held-back overlap).
 - kind "steady", per batch (ascending) and variant: B sessions, each step pushes the steady chunk size
-  to every session and must return exactly chunk * 1920 samples per session. rtf = step wall time /
-  audio per stream per step (< 1: all B streams keep up); x_realtime = B / rtf.
+  to every session and must return exactly chunk * 1920 samples per session. ms_per_chunk is the
+  median step wall time (p10 and p90 beside it); rtf = that median / audio per stream per step (< 1:
+  all B streams keep up); x_realtime = B / rtf.
 Outputs are checked before timing (finite, exact lengths; low latency: push-size independence and the
 distance to decode_whole; exact: streamed == decode_whole). Rows predicted to overrun --max-seconds
 are skipped and listed in "skipped".
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from bench.engine import nearest_rank
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig, noise
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
 from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
@@ -49,6 +52,16 @@ from vocoder.mel_vocoder import effective_context_frames, receptive_field_frames
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused", "graphpartial", "graphnopdl")
+
+
+def spread(name: str, samples_ms: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 (nearest rank) of wall times in ms, keyed '<name>', '<name>_p10', '<name>_p90'."""
+    ordered = sorted(samples_ms)
+    return {
+        name: round(statistics.median(ordered), 3),
+        f"{name}_p10": round(nearest_rank(ordered, 0.1), 3),
+        f"{name}_p90": round(nearest_rank(ordered, 0.9), 3),
+    }
 
 
 class CheckFailed(RuntimeError):
@@ -235,14 +248,14 @@ def first_chunk(voc: StreamingVocoder, args: argparse.Namespace) -> dict[str, An
         "codes_needed": need,
         "samples": num_samples,
         "audio_ms": round(1e3 * num_samples / SAMPLE_RATE, 1),
-        "open_ms": round(statistics.median(opens), 3),
-        "push_ms": round(statistics.median(pushes), 3),
+        **spread("open_ms", opens),
+        **spread("push_ms", pushes),
         "timed_rounds": len(pushes),
     }
 
 
 def steady_row(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> dict[str, Any]:
-    """B sessions in steady state; median wall time of one step (one chunk for every session)."""
+    """B sessions in steady state; wall time of one step (one chunk for every session): median, p10, p90."""
     chunk = steady_chunk_codes(voc)
     rng = np.random.default_rng(batch)
     sessions = voc.open_many([("default", s) for s in range(batch)])
@@ -275,13 +288,13 @@ def steady_row(voc: StreamingVocoder, args: argparse.Namespace, batch: int) -> d
             raise CheckFailed(f"session emitted {s.num_samples_emitted} samples for {total_codes} codes")
     if not step_ms:
         raise CheckFailed("no steady step ran without capturing or eager fallbacks")
-    ms = statistics.median(step_ms)
-    rtf = ms / 1e3 / (want / SAMPLE_RATE)
+    times = spread("ms_per_chunk", step_ms)
+    rtf = statistics.median(step_ms) / 1e3 / (want / SAMPLE_RATE)
     return {
         "kind": "steady",
         "batch": batch,
         "chunk_codes": chunk,
-        "ms_per_chunk": round(ms, 3),
+        **times,
         "rtf": round(rtf, 5),
         "x_realtime": round(batch / rtf, 2),
         "timed_steps": len(step_ms),
