@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.engine import prefill_flops
 from bench.fast_checks import failed_ops, run_kernel_checks
 from bench.fast_tools import (
     Blocks,
@@ -349,8 +350,7 @@ def run_fast(model: MossSpeechForCausalLM, args: argparse.Namespace) -> dict:
     table = Blocks(blocks.next).take(args.prompt_len, bs)
     tok, aud, pos, attn = plain_inputs(prompt, [(len(prompt), len(prompt), table)], bs, device)
     step_in = StepInputs.from_metadata(tok, aud, pos, attn)
-    head_params = config.hidden_size * (config.vocab_size + config.audio_vocab_size)
-    flops = 2 * (weights.matrix_bytes() // 2 - head_params) * args.prompt_len
+    flops = prefill_flops(config, args.prompt_len)  # the engine's own count, so both TFLOP/s figures agree
     prefill: dict = {"prompt_len": args.prompt_len, "matmul_flops": flops}
     prefill_runner = PrefillGraphRunner(fast, cache, max_model_len=args.max_model_len,
                                         buckets=sorted({args.prompt_len, 512}))
