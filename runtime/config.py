@@ -92,7 +92,7 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a finite positive number, got {value!r}")
         if not 0 <= self.modality_pad_token_id < self.vocab_size:
             raise ConfigError(f"modality_pad_token_id {self.modality_pad_token_id} outside the text vocab")
@@ -131,6 +131,17 @@ class ModelConfig:
             raise ConfigError("tie_word_embeddings=true is not supported: MOSS-Speech has 4 untied tables")
         if d.get("rope_scaling") is not None:
             raise ConfigError(f"rope_scaling {d['rope_scaling']!r} is not supported (expected null)")
+        if d.get("use_sliding_window", False):
+            raise ConfigError("use_sliding_window=true is not supported: every MOSS-Speech layer attends to all keys")
+        rope_parameters = d.get("rope_parameters")  # newer transformers' form of rope_theta + rope_scaling
+        if rope_parameters is not None and (
+            not isinstance(rope_parameters, dict)
+            or rope_parameters.get("rope_type", "default") != "default"
+            or set(rope_parameters) - {"rope_type", "rope_theta"}
+            or rope_parameters.get("rope_theta", d.get("rope_theta")) != d.get("rope_theta")
+        ):
+            raise ConfigError(f"rope_parameters {rope_parameters!r} is not supported (expected the default rope "
+                              f"with rope_theta {d.get('rope_theta')!r})")
         if d.get("attention_bias", False):
             raise ConfigError("attention_bias=true is not supported: MOSS-Speech projections have no bias")
         if d.get("hidden_act", "silu") != "silu":

@@ -141,6 +141,9 @@ def test_autoscaling_policies_and_their_kwargs_build(serve_config: dict[str, Any
         cls(**autoscaling["policy"]["policy_kwargs"])  # a misspelt kwarg raises TypeError here
         # The policy owns hysteresis; Ray's own delays would add to it.
         assert (autoscaling["upscale_delay_s"], autoscaling["downscale_delay_s"]) == (0, 0)
+        # Ray 2.60's replicas push their stats every metrics_interval_s (default 10 s); the env variable
+        # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S that its deprecation notice names is read by nothing
+        assert AutoscalingConfig(**autoscaling).metrics_interval_s == 2
 
 
 def test_gpu_fractions_fit_24gb_workers_at_max_replicas(rayservice: dict[str, Any],

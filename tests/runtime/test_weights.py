@@ -226,3 +226,37 @@ def test_config_layer_count_and_model_type_are_validated() -> None:
         ModelConfig.from_hf_dict({**good, "tie_word_embeddings": True})
     with pytest.raises(ConfigError, match="unknown model preset 'huge'"):
         ModelConfig.preset("huge")
+
+
+def test_loaded_weights_own_their_memory_not_the_files(tmp_path: Path) -> None:
+    """On CPU, safetensors hands back views of the file's mapping when no cast is needed: a checkpoint
+    rewritten in place (a new download over the old one) changed the live model, a truncated one crashed it."""
+    save_checkpoint(build_model(SMALL, seed=4), tmp_path)
+    model, _ = load_pretrained(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = tmp_path / SINGLE_FILE
+    header_len = int.from_bytes(weights.read_bytes()[:8], "little")
+    with weights.open("r+b") as f:  # zero every tensor byte, in place
+        f.seek(8 + header_len)
+        f.write(bytes(weights.stat().st_size - 8 - header_len))
+    assert not load_file(str(weights))["model.audio_norm.weight"].any()  # the file did change
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_config_refuses_booleans_for_float_fields_and_other_attention_shapes() -> None:
+    good = ModelConfig.preset("full").to_hf_dict()
+    for name in ("rope_theta", "rms_norm_eps"):
+        with pytest.raises(ConfigError, match=f"{name} must be a finite positive number, got True"):
+            ModelConfig.from_hf_dict({**good, name: True})
+    with pytest.raises(ConfigError, match="use_sliding_window=true is not supported"):
+        ModelConfig.from_hf_dict({**good, "use_sliding_window": True, "sliding_window": 4096})
+    with pytest.raises(ConfigError, match="rope_parameters .* is not supported"):
+        ModelConfig.from_hf_dict({**good, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                              "rope_theta": good["rope_theta"]}})
+    with pytest.raises(ConfigError, match="rope_parameters .* is not supported"):
+        ModelConfig.from_hf_dict({**good, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    # the plain forms a Qwen3 config.json carries stay accepted
+    plain = {**good, "use_sliding_window": False, "sliding_window": None,
+             "rope_parameters": {"rope_type": "default", "rope_theta": good["rope_theta"]}}
+    assert ModelConfig.from_hf_dict(plain) == ModelConfig.preset("full")

@@ -4,15 +4,10 @@ exports."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-# Replicas push autoscaling stats every 10 s by default; the value is read when Ray starts, and this
-# module is imported (collected) before the session fixture starts Ray.
-os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 import httpx
 import pytest
@@ -44,6 +39,8 @@ def autoscaled_app_args() -> dict[str, Any]:
     args["llm_options"] = {"num_cpus": 0.25, "autoscaling_config": {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 100,
         "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_period_s": 2,
+        # how often replicas push their stats (Ray 2.60 reads this field; its default is 10 s)
+        "metrics_interval_s": 1,
         "policy": {"policy_function": "deployments.autoscaling:llm_policy", "policy_kwargs": {
             "waiting_high": 0.5, "waiting_low": 0.25, "kv_usage_high": 0.99, "kv_usage_low": 0.98,
             "ttfa_p90_high_s": 1e6, "ttfa_p90_low_s": 1e5, "upscale_cooldown_s": 0, "quiet_period_s": 3}}}}
