@@ -161,6 +161,10 @@ def load_pretrained(
                     tensor = f.get_tensor(key)
                     if tensor.dtype != dtype:
                         tensor = tensor.to(dtype)
+                    elif tensor.device.type == "cpu":
+                        # a view of the file's mapping: the model would change with the file, or fault
+                        # (SIGBUS) once it is truncated
+                        tensor = tensor.clone()
                     set_parameter(model, key, tensor)
                     bar.update(1)
     still_meta = [name for name, p in model.named_parameters() if p.is_meta]

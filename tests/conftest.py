@@ -36,3 +36,17 @@ def triton_interpreter() -> Callable[[str], str]:
 
     return run
 
+
+
+@pytest.fixture
+def zero_tensor_bytes() -> Callable[[Path], None]:
+    """Overwrites every tensor byte of a safetensors file with zeros, in place (the header stays valid), as a
+    new download over an old file would change it under a process that still maps it."""
+
+    def zero(path: Path) -> None:
+        with path.open("r+b") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            f.seek(8 + header_len)
+            f.write(bytes(path.stat().st_size - 8 - header_len))
+
+    return zero

@@ -23,6 +23,7 @@ from torch import nn
 from vocoder.config import HOP_LENGTH, BigVGANConfig
 from vocoder.kernels import HAS_TRITON
 from vocoder.layout import is_channels_last, to_channels_last
+from vocoder.safetensors_io import read_safetensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bigvgan imports huggingface_hub; never go online from here
 
@@ -75,13 +76,14 @@ def build_generator(
         _quiet_remove_weight_norm(model)
         _randomize(model, seed)
     else:
-        from safetensors.torch import load_file
-
         path = Path(checkpoint)
         if path.suffix != ".safetensors":
             raise ValueError(f"BigVGAN checkpoint must be a .safetensors generator state dict, got {path}")
-        state = load_file(str(path))
-        state = {k.removeprefix("generator."): v for k, v in state.items()}
+        stored = read_safetensors(path, "BigVGAN checkpoint")
+        state = {k.removeprefix("generator."): v for k, v in stored.items()}
+        if len(state) != len(stored):  # "x" and "generator.x" both stored: one would be dropped unseen
+            twice = sorted(k for k in state if k in stored and f"generator.{k}" in stored)
+            raise ValueError(f"BigVGAN checkpoint {path} stores {twice[:5]} both with and without 'generator.'")
         has_weight_norm = any(k.endswith("weight_g") for k in state)
         if not has_weight_norm:
             _quiet_remove_weight_norm(model)

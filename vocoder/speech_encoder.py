@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vocoder.config import NUM_AUDIO_CODES, resolve_dtype
+from vocoder.safetensors_io import FLOAT_DTYPES
 
 INPUT_SAMPLE_RATE = 16000
 N_FFT = 400
@@ -349,13 +350,19 @@ def load_speech_encoder(path: str | Path, *, device: str | torch.device = "cpu",
 
     Strict: every tensor the encoder has must be present with its shape (names may carry a
     `CHECKPOINT_PREFIXES` prefix); any other tensor is an error unless `_ignorable`. Errors name the tensors."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"speech encoder checkpoint {folder} has no config.json")
-    cfg = SpeechEncoderConfig.from_hf_dict(json.loads(config_path.read_text()))
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(hf_config).__name__}")  # noqa: TRY004 - a file's content; callers catch ValueError
+    cfg = SpeechEncoderConfig.from_hf_dict(hf_config)
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
         raise FileNotFoundError(f"speech encoder checkpoint {folder} has no model*.safetensors")
@@ -365,7 +372,11 @@ def load_speech_encoder(path: str | Path, *, device: str | torch.device = "cpu",
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as exc:  # a renamed pickle, a truncated download
+            raise ValueError(f"speech encoder file {file} cannot be read as safetensors: {exc}") from None
+        with handle:
             for stored in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 name = next((stored[len(p):] for p in CHECKPOINT_PREFIXES if stored.startswith(p)), stored)
                 if name in wanted:
@@ -374,8 +385,12 @@ def load_speech_encoder(path: str | Path, *, device: str | torch.device = "cpu",
                     tensor = handle.get_tensor(stored)
                     if tuple(tensor.shape) != tuple(wanted[name].shape):
                         raise ValueError(f"speech encoder tensor {stored!r} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(wanted[name].shape)} from config.json")
-                    state[name] = tensor.to(dtype)
+                                         f"expected {tuple(wanted[name].shape)} from config.json (in {file})")
+                    if tensor.dtype not in FLOAT_DTYPES:
+                        raise ValueError(f"speech encoder tensor {stored!r} in {file.name} is {tensor.dtype}, "
+                                         "not float32, float16 or bfloat16")
+                    # a copy: get_tensor's CPU tensor is a view of the file's mapping, which follows the file
+                    state[name] = tensor.to(dtype, copy=True)
                 elif not _ignorable(name, cfg):
                     unexpected.append(stored)
     missing = sorted(set(wanted) - set(state))

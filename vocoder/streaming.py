@@ -35,6 +35,7 @@ from vocoder.graphs import GraphedFunction
 from vocoder.kernels import HAS_TRITON
 from vocoder.mel_vocoder import build_generator, receptive_field_frames, use_channels_last, vocode
 from vocoder.noise import batch_frame_noise, check_seed, frame_noise
+from vocoder.safetensors_io import read_safetensors
 from vocoder.session import VocoderSession, check_codes
 from vocoder.state_pool import FlowStatePool
 from vocoder.voices import DEFAULT_VOICES_DIR, Voice, VoiceLibrary
@@ -422,12 +423,10 @@ class StreamingVocoder:
             torch.manual_seed(seed)
             flow = FlowDecoder(cfg.flow)
         if flow_checkpoint is not None:
-            from safetensors.torch import load_file
-
             if Path(flow_checkpoint).suffix != ".safetensors":
                 raise ValueError(f"flow checkpoint must be .safetensors, got {flow_checkpoint}")
             try:
-                flow.load_state_dict(load_file(str(flow_checkpoint)), strict=True)
+                flow.load_state_dict(read_safetensors(flow_checkpoint, "flow checkpoint"), strict=True)
             except RuntimeError as exc:
                 raise ValueError(
                     f"flow checkpoint {flow_checkpoint} does not match the config: {exc}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from vocoder.config import MEL_FRAMES_PER_CODE, NUM_AUDIO_CODES, NUM_MELS, SPEAKER_EMBED_DIM
+from vocoder.safetensors_io import read_safetensors
 
 DEFAULT_VOICES_DIR = Path(__file__).parent / "voices"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -53,14 +54,8 @@ class Voice:
     @classmethod
     def load(cls, path: str | Path, name: str | None = None) -> Voice:
         """Read a voice file (safetensors with keys speaker_embedding, prompt_codes, prompt_mel)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = Path(path)
-        try:
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError) as exc:  # a pickle renamed .safetensors, a directory, a truncated file
-            raise ValueError(f"voice file {path} cannot be read as safetensors: {exc}") from None
+        tensors = read_safetensors(path, "voice file", floats_only=False)  # prompt_codes are integers
         missing = {"speaker_embedding", "prompt_codes", "prompt_mel"} - tensors.keys()
         if missing:
             raise ValueError(f"voice file {path} lacks {sorted(missing)}")

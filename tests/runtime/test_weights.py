@@ -228,17 +228,14 @@ def test_config_layer_count_and_model_type_are_validated() -> None:
         ModelConfig.preset("huge")
 
 
-def test_loaded_weights_own_their_memory_not_the_files(tmp_path: Path) -> None:
+def test_loaded_weights_own_their_memory_not_the_files(tmp_path: Path, zero_tensor_bytes) -> None:
     """On CPU, safetensors hands back views of the file's mapping when no cast is needed: a checkpoint
     rewritten in place (a new download over the old one) changed the live model, a truncated one crashed it."""
     save_checkpoint(build_model(SMALL, seed=4), tmp_path)
     model, _ = load_pretrained(tmp_path, device="cpu", dtype=torch.float32, progress=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     weights = tmp_path / SINGLE_FILE
-    header_len = int.from_bytes(weights.read_bytes()[:8], "little")
-    with weights.open("r+b") as f:  # zero every tensor byte, in place
-        f.seek(8 + header_len)
-        f.write(bytes(weights.stat().st_size - 8 - header_len))
+    zero_tensor_bytes(weights)
     assert not load_file(str(weights))["model.audio_norm.weight"].any()  # the file did change
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
