@@ -58,9 +58,9 @@ def _checkpoint_files(path: Path) -> dict[str, list[str]]:
             raise CheckpointError(f"checkpoint file {name} listed in {INDEX_FILE} is missing from {path}")
         with _open(file_path) as f:
             keys = list(f.keys())
-        duplicated = [k for k in keys if k in owner]
+        duplicated = [f"{k} ({owner[k]} and {name})" for k in keys if k in owner]
         if duplicated:
-            raise CheckpointError(f"keys stored in more than one file: {_few(duplicated)}")
+            raise CheckpointError(f"{path}: keys stored in more than one file: {_few(duplicated)}")
         owner.update({k: name for k in keys})
         files[name] = keys
     if weight_map:
@@ -145,13 +145,13 @@ def load_pretrained(
                 stored_slice = f.get_slice(key)
                 shape = tuple(stored_slice.get_shape())
                 if shape != expected[key]:
-                    mismatched.append(f"{key}: checkpoint {list(shape)} vs model {list(expected[key])}")
+                    mismatched.append(f"{key} in {name}: checkpoint {list(shape)} vs model {list(expected[key])}")
                 if stored_slice.get_dtype() not in FLOAT_DTYPES:
-                    wrong_types.append(f"{key}: {stored_slice.get_dtype()}")
+                    wrong_types.append(f"{key} in {name}: {stored_slice.get_dtype()}")
     if mismatched:
-        raise CheckpointError(f"wrong tensor shapes ({len(mismatched)}): " + "; ".join(sorted(mismatched)[:5]))
+        raise CheckpointError(f"{path}: wrong tensor shapes ({len(mismatched)}): " + "; ".join(sorted(mismatched)[:5]))
     if wrong_types:
-        raise CheckpointError(f"tensors of a type other than {', '.join(FLOAT_DTYPES)} ({len(wrong_types)}): "
+        raise CheckpointError(f"{path}: tensors of a type other than {', '.join(FLOAT_DTYPES)} ({len(wrong_types)}): "
                               + "; ".join(sorted(wrong_types)[:5]))
 
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress) as bar:

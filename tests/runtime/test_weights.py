@@ -131,8 +131,8 @@ def test_wrong_shape_is_rejected(small_checkpoint: Path, tmp_path: Path) -> None
         t["model.shared_block.layers.1.self_attn.k_norm.weight"] = torch.ones(8)
 
     path = mutated_copy(small_checkpoint, tmp_path / "ckpt", reshape)
-    with pytest.raises(CheckpointError, match=r"model.shared_block.layers.1.self_attn.k_norm.weight: "
-                       r"checkpoint \[8\] vs model \[16\]"):
+    with pytest.raises(CheckpointError, match=rf"^{path}: wrong tensor shapes \(1\): model.shared_block.layers.1."
+                       r"self_attn.k_norm.weight in model.safetensors: checkpoint \[8\] vs model \[16\]$"):
         load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
 
 
@@ -150,6 +150,16 @@ def test_missing_weights_file_and_missing_shard(small_checkpoint: Path, tmp_path
         load_pretrained(sharded, device="cpu", dtype=torch.float32, progress=False)
 
 
+def test_a_key_stored_in_two_shards_names_both_files(tmp_path: Path) -> None:
+    save_checkpoint(build_model(SMALL, seed=4), tmp_path, num_shards=2)
+    first, second = (tmp_path / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
+    key = min(load_file(str(first)))
+    save_file({**load_file(str(second)), key: load_file(str(first))[key]}, str(second))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}: keys stored in more than one file: {key} "
+                                              rf"\({first.name} and {second.name}\) \(1 in all\)$"):
+        load_pretrained(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+
+
 def test_tensors_that_are_not_floating_point_are_rejected_by_name(small_checkpoint: Path, tmp_path: Path) -> None:
     """An integer, bool or FP8 tensor would be cast to garbage: refused, named (floats of any width load)."""
     def retype(t: dict) -> None:
@@ -159,8 +169,9 @@ def test_tensors_that_are_not_floating_point_are_rejected_by_name(small_checkpoi
         t["model.audio_norm.weight"] = t["model.audio_norm.weight"].half()  # a float: cast, fine
 
     path = mutated_copy(small_checkpoint, tmp_path / "ckpt", retype)
-    with pytest.raises(CheckpointError, match=r"tensors of a type other than BF16, F16, F32 \(2\): "
-                       r"model.shared_block.layers.0.mlp.down_proj.weight: I64; model.text_norm.weight: BOOL$"):
+    with pytest.raises(CheckpointError, match=rf"^{path}: tensors of a type other than BF16, F16, F32 \(2\): "
+                       r"model.shared_block.layers.0.mlp.down_proj.weight in model.safetensors: I64; "
+                       r"model.text_norm.weight in model.safetensors: BOOL$"):
         load_pretrained(path, device="cpu", dtype=torch.float32, progress=False)
 
 
