@@ -233,6 +233,14 @@ def test_prometheus_operator_monitors_select_ray_pods_on_the_metrics_port(rayser
         "ray.io/node-type": "head", "ray.io/originated-from-crd": "RayService",
         "ray.io/originated-from-cr-name": rayservice["metadata"]["name"]}
     assert [e["port"] for e in service_monitor["spec"]["endpoints"]] == ["metrics"]
+    # Head and worker series both carry the cluster's name, taken from the pod's label: the head Service that
+    # KubeRay builds for a RayService has no ray.io/cluster label, so targetLabels naming it copied nothing,
+    # and jobLabel named labels no Service or pod has
+    for monitor, endpoints in ((service_monitor, "endpoints"), (pod_monitor, "podMetricsEndpoints")):
+        assert "targetLabels" not in monitor["spec"] and "jobLabel" not in monitor["spec"]
+        (endpoint,) = monitor["spec"][endpoints]
+        assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"],
+                                            "targetLabel": "ray_io_cluster"}]
 
 
 def test_plain_prometheus_scrape_config_keeps_only_the_metrics_port() -> None:
