@@ -146,6 +146,14 @@ def test_autoscaling_policies_and_their_kwargs_build(serve_config: dict[str, Any
         assert AutoscalingConfig(**autoscaling).metrics_interval_s == 2
 
 
+def test_an_upgrade_keeps_the_old_cluster_until_its_longest_request_can_end(rayservice: dict[str, Any],
+                                                                           serve_config: dict[str, Any]) -> None:
+    request_timeout_s = serve_config["applications"][0]["args"]["request_timeout_s"]
+    assert rayservice["spec"]["rayClusterDeletionDelaySeconds"] > request_timeout_s == 600
+    # ignored by KubeRay since 1.1 (kuberay#1657): setting them would promise a rebuild that never comes
+    assert not {"deploymentUnhealthySecondThreshold", "serviceUnhealthySecondThreshold"} & rayservice["spec"].keys()
+
+
 def test_gpu_fractions_fit_24gb_workers_at_max_replicas(rayservice: dict[str, Any],
                                                         serve_config: dict[str, Any]) -> None:
     args = serve_config["applications"][0]["args"]
