@@ -11,10 +11,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Serve deployment options accepted under `llm_options` / `vocoder_options` / `ingress_options`.
-# `num_cpus` / `num_gpus` / `memory` go into `ray_actor_options`, `env_vars` (name -> string) into its
+# `num_cpus` / `num_gpus` / `memory` / `resources` (custom resource name -> amount, e.g. one `vocoder_slot`
+# per replica where each GPU worker offers one: k8s/rayservice.yaml) go into `ray_actor_options`, `env_vars`
+# (name -> string) into its
 # `runtime_env` (the replica's process starts with them: e.g. `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read when
 # CUDA initialises, docs/operations.md); the rest are `@serve.deployment` kwargs.
-ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory"})
+ACTOR_OPTION_KEYS = frozenset({"num_cpus", "num_gpus", "memory", "resources"})
 ENV_OPTION_KEY = "env_vars"
 DEPLOYMENT_OPTION_KEYS = frozenset({
     "num_replicas", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
@@ -37,6 +39,12 @@ def _check_options(value: dict[str, Any]) -> dict[str, Any]:
     for key in ("num_cpus", "num_gpus"):
         if key in value and (not isinstance(value[key], int | float) or value[key] < 0):
             raise ValueError(f"{key} must be a number >= 0, got {value[key]!r}")
+    resources = value.get("resources", {})
+    if not isinstance(resources, dict) or not all(
+            isinstance(k, str) and k and k not in ("CPU", "GPU", "memory") and isinstance(v, int | float)
+            and not isinstance(v, bool) and v > 0 for k, v in resources.items()):
+        raise ValueError(f"resources must map custom resource names (not CPU, GPU or memory) to amounts > 0, "
+                         f"got {resources!r}")
     env = value.get(ENV_OPTION_KEY, {})
     if not isinstance(env, dict) or not all(
             isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -163,8 +163,16 @@ def test_gpu_fractions_fit_24gb_workers_at_max_replicas(rayservice: dict[str, An
     (group,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     (worker,) = group["template"]["spec"]["containers"]
     gpus_per_worker = int(worker["resources"]["limits"]["nvidia.com/gpu"])
-    demand = sum(o["num_gpus"] * o["autoscaling_config"]["max_replicas"] for o in (llm, vocoder))
-    assert math.ceil(demand) <= group["maxReplicas"] * gpus_per_worker
+    # The total fitting is not enough: two vocoders on one card leave 0.6 GPU, which no LLM replica (0.8) can
+    # use. Each worker offers one vocoder_slot and each vocoder replica takes one, so every card holds at most
+    # one vocoder and (0.8 + 0.8 > 1) one LLM: a card without an LLM always has room for one, and as many
+    # workers as the larger max_replicas place every replica in any order.
+    assert gpus_per_worker == 1 and llm["num_gpus"] > 0.5
+    assert vocoder["resources"] == {"vocoder_slot": 1} and "resources" not in llm
+    assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {"vocoder_slot": 1}
+    head_params = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert "resources" not in head_params and head_params["num-cpus"] == "0"  # no replica on the head
+    assert max(o["autoscaling_config"]["max_replicas"] for o in (llm, vocoder)) <= group["maxReplicas"]
     cpus_per_worker = int(worker["resources"]["limits"]["cpu"])
     assert llm["num_cpus"] + vocoder["num_cpus"] + args["ingress_options"]["num_cpus"] <= cpus_per_worker
 
@@ -188,6 +196,7 @@ def test_serve_config_mirrors_config_serve_4090_except_for_cluster_settings(
         ("args", "require_gpus_at_start"),  # GPU workers join later, through the KubeRay autoscaler
         ("args", "llm_options", "autoscaling_config", "max_replicas"),
         ("args", "vocoder_options", "autoscaling_config", "max_replicas"),
+        ("args", "vocoder_options", "resources"),  # one vocoder per worker: see the test above
     }
     assert (serve_config["proxy_location"], ours["args"]["require_gpus_at_start"]) == ("EveryNode", False)
 

@@ -137,6 +137,13 @@ def test_env_vars_reach_the_replica_process_through_its_runtime_env() -> None:
     assert deployments["VocoderServer"].ray_actor_options == {"num_cpus": 0.5}
 
 
+def test_custom_resources_reach_the_replicas_actor_options() -> None:
+    args = yaml_args("serve.yaml")
+    args["vocoder_options"] = {**args["vocoder_options"], "resources": {"vocoder_slot": 1}}
+    assert deployments_of(args)["VocoderServer"].ray_actor_options == {"num_cpus": 0.5,
+                                                                       "resources": {"vocoder_slot": 1}}
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"engine": {"model": "tiny", "device": "cuda"}}, "engine device is 'cuda' but llm_options.num_gpus is 0"),
     ({"vocoder_options": {"num_gpus": 0.5}}, "vocoder_options.num_gpus is 0.5 but the vocoder device is 'cpu'"),
@@ -153,6 +160,9 @@ def test_inconsistent_gpu_settings_fail_at_build_time(change: dict, message: str
     ({"llm_options": {"env_vars": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 50}}},
      "env_vars must map variable names to strings"),
     ({"vocoder_options": {"env_vars": ["A=1"]}}, "env_vars must map variable names to strings"),
+    ({"vocoder_options": {"resources": {"vocoder_slot": 0}}}, "resources must map custom resource names"),
+    ({"vocoder_options": {"resources": {"GPU": 1}}}, "(not CPU, GPU or memory) to amounts > 0"),
+    ({"vocoder_options": {"resources": ["vocoder_slot"]}}, "resources must map custom resource names"),
     ({"engine": {"device": "cpu"}}, "engine.model is required"),
     ({"vocoder_preset": "huge"}, "'tiny' or 'full'"),
     ({"unknown_knob": 1}, "Extra inputs are not permitted"),
