@@ -170,8 +170,9 @@ class LLMPolicy(HysteresisPolicy):
     policy_kwargs (all optional):
       kv_usage_high (0.85) / kv_usage_low (0.6): fleet-mean KV cache use (0..1).
       waiting_high (1.0) / waiting_low (0.5): fleet-mean requests waiting in the engine per replica.
-      ttfa_p90_high_s (1.0) / ttfa_p90_low_s (0.5): worst replica's recent p90 time to first audio
-        (a replica with no recent requests reports 0).
+      ttfa_p90_high_s (1.0) / ttfa_p90_low_s (0.5): worst replica's recent p90 time from a request
+        reaching the LLM replica to its first codes (the LLM's share of time to first audio, without the
+        vocoder's first chunk or the hops; a replica with no recent requests reports 0).
       upscale_cooldown_s (30), quiet_period_s (300), step (1): see the module docstring.
     """
 
