@@ -69,18 +69,22 @@ def test_the_audio_only_step_is_quoted_beside_the_whole_one_with_its_checks() ->
 
 
 def test_no_target_is_met_when_the_fast_path_gives_other_greedy_tokens() -> None:
-    b1 = {"fast_graph_gemv+pdl+tails2": _timing(4.4), "fast_graph_fp8_gemv+pdl+tails2": _timing(2.5)}
+    checks = {"text_logits_none": True, "audio_logits_equal": True, "kv_rows_equal": True, "kv_rows_nonzero": True}
+    b1 = {"fast_graph_gemv+pdl+tails2": _timing(4.4), "fast_graph_fp8_gemv+pdl+tails2": _timing(2.5),
+          "fast_graph_gemv+pdl+tails2:audio": _timing(4.1), "audio_only_checks": {"fast_graph_gemv+pdl+tails2": checks}}
     b64 = {"fast_graph+tails2": _timing(5.9), "fast_graph_fp8": _timing(9.6)}
     fast = _fast(b1, b64)
     out = summarize(fast)
     assert out["verified"] is True
     assert [out[k]["meets_target"] for k in ("decode_bf16_b1", "decode_bf16_b64", "decode_fp8_b1", "prefill_512")] \
         == [True, True, True, True]
+    assert out["decode_bf16_b1"]["audio_only"]["meets_target"] is True
     fast["greedy_float32"]["gemv"] = {"equal": False}  # one one-row mode's tokens differ from the plain path's
     out = summarize(fast)
     assert out["verified"] is False
     assert [out[k]["meets_target"] for k in ("decode_bf16_b1", "decode_bf16_b64", "decode_fp8_b1", "prefill_512")] \
         == [False, False, False, False]
+    assert out["decode_bf16_b1"]["audio_only"]["meets_target"] is False  # the audio-only line claims nothing either
     assert out["decode_bf16_b1"]["median_ms"] == 4.4  # still reported, not claimed
 
 

@@ -150,18 +150,26 @@ def test_finished_carries_the_timeline_of_arrival_first_step_and_first_codes(
     rng = random.Random(12)
     a, b = (GenerationRequest(rid, prompt(rng, 9, audio_out=True), GREEDY, GREEDY, max_new_tokens=6,
                               min_new_tokens=6) for rid in "ab")
-    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps))
+    # one running request at a time: b, arriving at step 2, waits in the queue until a has finished
+    core = EngineCore(model, Tokenizer.tiny(), engine_config(async_scheduling=async_steps, max_num_running=1))
     events: list[tuple[str, Event]] = []
+    finished_at: dict[str, int] = {}
     while step[0] == 0 or core.has_work:
         if step[0] in (0, 2):
             core.add_request(a if step[0] == 0 else b)
-        events += core.step()
+        for rid, event in core.step():
+            events.append((rid, event))
+            if isinstance(event, Finished):
+                finished_at[rid] = step[0]
         step[0] += 1
     finished = {rid: e for rid, e in events if isinstance(e, Finished)}
     lag = 1 if async_steps else 0  # asynchronous steps read a step's rows one step later
     assert finished["a"].num_audio_codes == finished["b"].num_audio_codes == 6
     assert finished["a"].timeline == Timeline(0.0, 0.0, tuple(float(k + lag) for k in range(4)))
-    assert finished["b"].timeline == Timeline(2.0, 2.0, tuple(float(k + 2 + lag) for k in range(4)))
+    # a's sixth code comes at step 5 (+ lag), freeing the slot; b is scheduled in the next step
+    assert finished_at["a"] == 5 + lag
+    first_b = finished_at["a"] + 1
+    assert finished["b"].timeline == Timeline(2.0, float(first_b), tuple(float(first_b + k + lag) for k in range(4)))
 
 
 @pytest.mark.parametrize("async_steps", ASYNC_STEPS)

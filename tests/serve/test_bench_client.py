@@ -58,10 +58,10 @@ def test_reads_of_one_chunk_make_one_chunk_and_no_gap() -> None:
     """The HTTP client reads at most 64 KiB at a time, so a 96,000-byte chunk arrives as two reads
     microseconds apart: one chunk. Gaps run from a chunk's last read to the next chunk's first."""
     result = RequestResult()
-    timeline = AudioTimeline(0.0, result)
+    timeline = AudioTimeline(10.0, result)  # the request started at 10 s on the client's clock
     for at, samples in ((0.5, 100), (0.625, 32768), (0.62501, 15232), (0.75, 100), (0.7515, 100), (1.0, 50)):
-        timeline.add(at, samples)
-    timeline.finish(1.25)
+        timeline.add(10.0 + at, samples)
+    timeline.finish(11.25)
     assert (result.ttfa_s, result.num_chunks, result.num_samples, result.e2e_s) == (0.5, 4, 48350, 1.25)
     assert result.chunk_gaps_s == pytest.approx([0.125, 0.12499, 0.2485])
 

@@ -62,7 +62,15 @@ def test_bfloat16_weights_keep_a_float32_front_end() -> None:
     assert bf16.codebook.weight.dtype == torch.bfloat16 and bf16.mel_filters.dtype == torch.float32
     assert torch.equal(bf16.mel_filters, float32.mel_filters)
     clip = noise(20_000, seed=9)
+    seen: list[torch.Tensor] = []
+    run = bf16.codes_of_frames
+    bf16.codes_of_frames = lambda mel_in, count: seen.append(mel_in.clone()) or run(mel_in, count)
     assert len(bf16.encode(clip)) == len(float32.encode(clip)) == 16
+    # what the bf16 layers get is the float32 log-mel of the float32 samples, rounded once at the end
+    frames = 20_000 // 160
+    (mel_in,) = seen
+    assert mel_in.dtype == torch.bfloat16
+    assert torch.equal(mel_in[:, :frames], log_mel(torch.from_numpy(clip), float32.mel_filters)[:, :frames].bfloat16())
 
 
 def test_segments_of_30_s_are_encoded_independently(encoder) -> None:
