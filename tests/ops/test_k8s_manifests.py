@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -169,9 +168,14 @@ def test_gpu_fractions_fit_24gb_workers_at_max_replicas(rayservice: dict[str, An
     # workers as the larger max_replicas place every replica in any order.
     assert gpus_per_worker == 1 and llm["num_gpus"] > 0.5
     assert vocoder["resources"] == {"vocoder_slot": 1} and "resources" not in llm
-    assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {"vocoder_slot": 1}
-    head_params = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
-    assert "resources" not in head_params and head_params["num-cpus"] == "0"  # no replica on the head
+    # what Ray's autoscaler reads from the group (and KubeRay starts the worker with): its card, its CPUs, one slot
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
+
+    offered = _get_ray_resources_from_group_spec(group, is_head=False)
+    assert (offered["GPU"], offered["vocoder_slot"], offered["CPU"]) == (1, 1, int(worker["resources"]["limits"]["cpu"]))
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert "vocoder_slot" not in _get_ray_resources_from_group_spec(head, is_head=True)
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no replica on the head
     assert max(o["autoscaling_config"]["max_replicas"] for o in (llm, vocoder)) <= group["maxReplicas"]
     cpus_per_worker = int(worker["resources"]["limits"]["cpu"])
     assert llm["num_cpus"] + vocoder["num_cpus"] + args["ingress_options"]["num_cpus"] <= cpus_per_worker
