@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from vocoder.config import NUM_AUDIO_CODES, resolve_dtype
-from vocoder.safetensors_io import FLOAT_DTYPES
 
 INPUT_SAMPLE_RATE = 16000
 N_FFT = 400
@@ -386,9 +385,9 @@ def load_speech_encoder(path: str | Path, *, device: str | torch.device = "cpu",
                     if tuple(tensor.shape) != tuple(wanted[name].shape):
                         raise ValueError(f"speech encoder tensor {stored!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(wanted[name].shape)} from config.json (in {file})")
-                    if tensor.dtype not in FLOAT_DTYPES:
+                    if not tensor.is_floating_point():
                         raise ValueError(f"speech encoder tensor {stored!r} in {file.name} is {tensor.dtype}, "
-                                         "not float32, float16 or bfloat16")
+                                         "not floating point")
                     # a copy: get_tensor's CPU tensor is a view of the file's mapping, which follows the file
                     state[name] = tensor.to(dtype, copy=True)
                 elif not _ignorable(name, cfg):

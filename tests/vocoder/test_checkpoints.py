@@ -36,7 +36,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_loaded_weights_do_not_follow_their_file(tmp_path: Path, zero_tensor_bytes) -> None:
     """safetensors' CPU loaders return views of the file's mapping: a file rewritten in place changed the live
-    generator, flow, encoder and voice (and a truncated one would fault the process)."""
+    speech encoder and voice (a truncated one would fault the process). The generator and the flow copy into
+    their own parameters, and are checked here so that they keep doing so."""
     generator = build_generator(BIGVGAN, seed=3)
     save_file(generator.state_dict(), str(tmp_path / "g.safetensors"))
     flow = StreamingVocoder.from_preset("tiny", seed=5).flow
@@ -87,7 +88,7 @@ def test_integer_tensors_in_codec_checkpoints_are_refused_by_name(tmp_path: Path
     tensors["codebook.weight"] = tensors["codebook.weight"].long()
     save_file(tensors, str(tmp_path / "enc" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"speech encoder tensor 'codebook.weight' in model.safetensors is "
-                                         r"torch.int64, not float32"):
+                                         r"torch.int64, not floating point"):
         load_speech_encoder(tmp_path / "enc")
 
 
@@ -118,6 +119,10 @@ def test_a_flow_checkpoint_loads_exactly_and_a_mismatched_one_is_refused(tmp_pat
     save_file(source, str(tmp_path / "flow.safetensors"))
     loaded = StreamingVocoder.from_preset("tiny", seed=0, flow_checkpoint=tmp_path / "flow.safetensors")
     assert same(state_of(loaded.flow), source)
+    # float64 weights (a training export) load too, cast to the vocoder's float32
+    save_file({k: v.double() for k, v in source.items()}, str(tmp_path / "flow64.safetensors"))
+    wide = StreamingVocoder.from_preset("tiny", seed=0, flow_checkpoint=tmp_path / "flow64.safetensors")
+    assert same(state_of(wide.flow), source)
     assert not same(state_of(StreamingVocoder.from_preset("tiny", seed=0).flow), source)  # the seed alone differs
     name = next(iter(source))
     save_file({k: v for k, v in source.items() if k != name}, str(tmp_path / "short.safetensors"))
