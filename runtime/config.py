@@ -137,7 +137,8 @@ class ModelConfig:
         if rope_parameters is not None and (
             not isinstance(rope_parameters, dict)
             or rope_parameters.get("rope_type", "default") != "default"
-            or set(rope_parameters) - {"rope_type", "rope_theta"}
+            or set(rope_parameters) - {"rope_type", "rope_theta", "partial_rotary_factor"}
+            or rope_parameters.get("partial_rotary_factor", 1.0) != 1.0
             or rope_parameters.get("rope_theta", d.get("rope_theta")) != d.get("rope_theta")
         ):
             raise ConfigError(f"rope_parameters {rope_parameters!r} is not supported (expected the default rope "

@@ -264,7 +264,11 @@ def test_config_refuses_booleans_for_float_fields_and_other_attention_shapes() -
                                                               "rope_theta": good["rope_theta"]}})
     with pytest.raises(ConfigError, match="rope_parameters .* is not supported"):
         ModelConfig.from_hf_dict({**good, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    with pytest.raises(ConfigError, match="rope_parameters .* is not supported"):
+        ModelConfig.from_hf_dict({**good, "rope_parameters": {"rope_theta": good["rope_theta"],
+                                                              "partial_rotary_factor": 0.5}})
     # the plain forms a Qwen3 config.json carries stay accepted
     plain = {**good, "use_sliding_window": False, "sliding_window": None,
-             "rope_parameters": {"rope_type": "default", "rope_theta": good["rope_theta"]}}
+             "rope_parameters": {"rope_type": "default", "rope_theta": int(good["rope_theta"]),
+                                 "partial_rotary_factor": 1.0}}
     assert ModelConfig.from_hf_dict(plain) == ModelConfig.preset("full")
