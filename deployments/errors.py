@@ -102,8 +102,10 @@ def serve_over_capacity(exc: BackPressureError | DeploymentUnavailableError, ret
     return overloaded(f"server over capacity: {exc}", hint if hint is not None else retry_after_s)
 
 
-def error_event(exc: BaseException, *, retry_after_s: float = RETRY_AFTER_S) -> dict[str, Any]:
-    """Map an exception raised by the engine, the vocoder or a Serve handle call to an error event."""
+def error_event(exc: BaseException, *, retry_after_s: float = RETRY_AFTER_S,
+                prompt_param: str = "input") -> dict[str, Any]:
+    """Map an exception raised by the engine, the vocoder or a Serve handle call to an error event.
+    `prompt_param`: the request field a too-long prompt came from (speech: input; chat: messages)."""
     if isinstance(exc, ApiError):
         return exc.to_event()
     if isinstance(exc, EngineOverloadedError):
@@ -114,7 +116,7 @@ def error_event(exc: BaseException, *, retry_after_s: float = RETRY_AFTER_S) -> 
         return serve_over_capacity(exc, retry_after_s).to_event()
     if isinstance(exc, ContextLengthExceededError):
         return ApiError(400, str(exc), kind="context_length", code="context_length_exceeded",
-                        param="input").to_event()
+                        param=prompt_param).to_event()
     if isinstance(exc, InvalidRequestError):  # not any ValueError: one from a server fault is a 500
         return bad_request(str(exc)).to_event()
     return internal_error(f"{type(exc).__name__}: {exc}").to_event()

@@ -139,7 +139,7 @@ class LLMServer:
                                            codes_batch_s=float(codes_stream.get("batch_s", 0.0)))
             first = await anext(stream)
         except Exception as exc:  # noqa: BLE001 - refused before any event: report it as an event
-            yield error_event(exc)
+            yield error_event(exc, prompt_param=request.get("prompt_param", "input"))
             return
         is_finished = False
         codes_sent: list[float] = []  # when the event carrying each of the first codes left

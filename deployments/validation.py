@@ -103,11 +103,12 @@ class Limits:
             raise bad_request(f"{param} is {len(text)} characters long; the limit is "
                               f"{self.max_input_chars}", param=param, code="input_too_long")
 
-    def max_new_tokens(self, requested: int | None, min_new_tokens: int | None) -> int:
-        """The request's token budget: the client's value within the limit, else the default."""
+    def max_new_tokens(self, requested: int | None, min_new_tokens: int | None,
+                       param: str = "max_new_tokens") -> int:
+        """The request's token budget: the client's value within the limit, else the default. `param`: the
+        field the client gave it in (chat: max_tokens or max_completion_tokens)."""
         if requested is not None and requested > self.max_new_tokens_limit:
-            raise bad_request(f"max_new_tokens must be <= {self.max_new_tokens_limit}, got {requested}",
-                              param="max_new_tokens")
+            raise bad_request(f"{param} must be <= {self.max_new_tokens_limit}, got {requested}", param=param)
         value = requested if requested is not None else self.default_max_new_tokens
         if min_new_tokens is not None and min_new_tokens > value:
             raise bad_request(f"min_new_tokens ({min_new_tokens}) must not exceed max_new_tokens ({value})",
@@ -181,8 +182,10 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
         "messages": messages,
         "output_modality": "audio" if req.wants_audio else "text", "with_audio": req.wants_audio,
         "voice": voice, "text_sampling": req.sampling_overrides(), "audio_sampling": {},
-        "max_new_tokens": limits.max_new_tokens(req.max_new_tokens, req.min_new_tokens),
-        "min_new_tokens": req.min_new_tokens or 0, "seed": req.seed,
+        "max_new_tokens": limits.max_new_tokens(
+            req.max_new_tokens, req.min_new_tokens,
+            "max_completion_tokens" if req.max_completion_tokens else "max_tokens"),
+        "min_new_tokens": req.min_new_tokens or 0, "seed": req.seed, "prompt_param": "messages",
     }
 
 

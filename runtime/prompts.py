@@ -163,5 +163,10 @@ def _encode(tokenizer: TextEncoder, text: str, index: int) -> list[int]:
     ids = tokenizer.encode(text)
     forged = sorted(_CONTROL_IDS.intersection(ids))
     if forged:
-        raise PromptError(f"messages[{index}] content contains reserved control token ids {forged}")
+        from runtime.tokenizer import TINY_SPECIAL_TOKENS  # the Qwen names of these ids
+
+        names = {i: name for name, i in TINY_SPECIAL_TOKENS.items()}
+        shown = ", ".join(names.get(i, str(i)) for i in forged)
+        raise PromptError(f"messages[{index}] content contains reserved control token text {shown} "
+                          f"(ids {forged}), which cannot be sent as text")
     return ids

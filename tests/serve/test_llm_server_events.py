@@ -103,3 +103,24 @@ def test_a_prompt_the_builder_refuses_is_a_400_but_a_server_side_value_error_is_
     event = error_event(ValueError("lane must be in [0, 2), got 3"))
     assert (event["status"], event["code"], event["message"]) == (
         500, "internal_error", "ValueError: lane must be in [0, 2), got 3")
+
+
+@pytest.mark.parametrize(("request_fields", "param"), [({}, "input"), ({"prompt_param": "messages"}, "messages")])
+def test_a_prompt_too_long_names_the_field_it_came_from(monkeypatch: pytest.MonkeyPatch, request_fields: dict,
+                                                        param: str) -> None:
+    """Speech's prompt is its `input`; chat's is its `messages` (the ingress says which in `prompt_param`)."""
+    from runtime.errors import ContextLengthExceededError
+
+    server, _ = _server([])
+
+    def refuse(request: object, **kwargs: object) -> None:
+        raise ContextLengthExceededError("prompt (4109 rows) + max_new_tokens (8) = 4117 exceeds max_model_len (4096)")
+
+    server._engine.generate = refuse
+
+    async def collect() -> list[dict]:
+        return [event async for event in server.generate({"request_id": "r1", **request_fields})]
+
+    (event,) = asyncio.run(collect())
+    assert (event["type"], event["status"], event["code"], event["param"]) == (
+        "error", 400, "context_length_exceeded", param)

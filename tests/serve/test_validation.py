@@ -110,6 +110,7 @@ def test_chat_request_dict_keeps_turns_in_order() -> None:
                                    ("user", "again")]
     assert payload["output_modality"] == "audio" and payload["voice"] == "warm"
     assert payload["text_sampling"] == {"temperature": 0.0} and payload["max_new_tokens"] == 30
+    assert payload["prompt_param"] == "messages"  # a too-long prompt's 400 names the chat's field
     _, text_only = chat_request(chat(), LIMITS)
     assert text_only["output_modality"] == "text" and text_only["with_audio"] is False
 
@@ -131,7 +132,8 @@ def test_chat_request_dict_keeps_turns_in_order() -> None:
     (chat(modalities=["audio"], audio={"voice": "nobody"}), "audio.voice", "unknown voice 'nobody'"),
     (chat(modalities=["audio"], audio={"format": "mp3"}), "audio.format", "'pcm16'"),
     (chat([{"role": "user", "content": "y" * 21}]), "messages", "21 characters long"),
-    (chat(max_tokens=101), "max_new_tokens", "must be <= 100"),
+    (chat(max_tokens=101), "max_tokens", "max_tokens must be <= 100, got 101"),  # the field the client sent
+    (chat(max_tokens=5, max_completion_tokens=101), "max_completion_tokens", "max_completion_tokens must be <= 100"),
     (chat(n=2), "n", "less than or equal to 1"),
     (chat([{"role": "user", "content": "hi \ud83d"}]), "messages.0.content", "lone UTF-16 surrogate"),
     (chat([{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
@@ -156,6 +158,9 @@ def test_error_response_is_openai_shaped_with_retry_after() -> None:
     assert ApiError.from_event(event).response().headers["retry-after"] == "1"
     event = error_event(ContextLengthExceededError("too long"))
     assert (event["status"], event["code"], event["kind"]) == (400, "context_length_exceeded", "context_length")
+    assert ApiError.from_event(event).param == "input"  # speech's prompt field
+    assert ApiError.from_event(error_event(ContextLengthExceededError("too long"), prompt_param="messages")).param \
+        == "messages"
     assert error_event(RuntimeError("boom"))["status"] == 500
     from ray.serve.exceptions import BackPressureError
 
