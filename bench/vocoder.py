@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from bench.engine import nearest_rank
+from bench.engine import Timing
 from vocoder import SAMPLES_PER_CODE, StreamingVocoder, VocoderConfig, noise
 from vocoder.config import LOOKAHEAD_CODES, MEL_FRAMES_PER_CODE, SAMPLE_RATE
 from vocoder.flow_layers import CausalBlock, CausalConv1d, ChunkTransformer
@@ -56,12 +56,9 @@ MODES = ("eager", "graph", "compile", "graphcompile", "fused", "graphfused", "gr
 
 def spread(name: str, samples_ms: list[float]) -> dict[str, float]:
     """Median, p10 and p90 (nearest rank) of wall times in ms, keyed '<name>', '<name>_p10', '<name>_p90'."""
-    ordered = sorted(samples_ms)
-    return {
-        name: round(statistics.median(ordered), 3),
-        f"{name}_p10": round(nearest_rank(ordered, 0.1), 3),
-        f"{name}_p90": round(nearest_rank(ordered, 0.9), 3),
-    }
+    timing = Timing(samples_ms)
+    return {name: round(timing.median_ms, 3), f"{name}_p10": round(timing.p10_ms, 3),
+            f"{name}_p90": round(timing.p90_ms, 3)}
 
 
 class CheckFailed(RuntimeError):

@@ -137,6 +137,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def max_new_tokens_field(self) -> str:
+        """The field `max_new_tokens` came from, for errors about it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    @property
     def wants_audio(self) -> bool:
         """True when the response should carry audio."""
         return "audio" in self.modalities

@@ -182,9 +182,7 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
         "messages": messages,
         "output_modality": "audio" if req.wants_audio else "text", "with_audio": req.wants_audio,
         "voice": voice, "text_sampling": req.sampling_overrides(), "audio_sampling": {},
-        "max_new_tokens": limits.max_new_tokens(
-            req.max_new_tokens, req.min_new_tokens,
-            "max_completion_tokens" if req.max_completion_tokens else "max_tokens"),
+        "max_new_tokens": limits.max_new_tokens(req.max_new_tokens, req.min_new_tokens, req.max_new_tokens_field),
         "min_new_tokens": req.min_new_tokens or 0, "seed": req.seed, "prompt_param": "messages",
     }
 

@@ -39,6 +39,7 @@ from runtime.config import (
     SOSP_ID,
     Row,
 )
+from runtime.tokenizer import TINY_SPECIAL_TOKENS
 
 ROLES = ("system", "user", "assistant")
 # The system prompt of a read-aloud (text-to-speech) request, as the Serve ingress builds it.
@@ -46,6 +47,7 @@ READ_ALOUD_PROMPT = ("You are a text-to-speech voice. Read the user's message al
                      "without adding or leaving out any words.")
 OutputModality = Literal["audio", "text"]
 _CONTROL_IDS = frozenset({IM_START_ID, IM_END_ID, ENDOFTEXT_ID, SOSP_ID, MODALITY_PAD_ID})
+_CONTROL_NAMES = {i: name for name, i in TINY_SPECIAL_TOKENS.items() if i in _CONTROL_IDS}  # their Qwen names
 
 
 class PromptError(ValueError):
@@ -163,10 +165,7 @@ def _encode(tokenizer: TextEncoder, text: str, index: int) -> list[int]:
     ids = tokenizer.encode(text)
     forged = sorted(_CONTROL_IDS.intersection(ids))
     if forged:
-        from runtime.tokenizer import TINY_SPECIAL_TOKENS  # the Qwen names of these ids
-
-        names = {i: name for name, i in TINY_SPECIAL_TOKENS.items()}
-        shown = ", ".join(names.get(i, str(i)) for i in forged)
+        shown = ", ".join(_CONTROL_NAMES[i] for i in forged)
         raise PromptError(f"messages[{index}] content contains reserved control token text {shown} "
                           f"(ids {forged}), which cannot be sent as text")
     return ids
