@@ -185,7 +185,8 @@ class LLMServer:
         stats, config = self._engine.stats(), self._engine.config
         return {**{name: getattr(stats, name) for name in (
             "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_free",
-            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_step_failures")},
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_step_failures",
+            "num_tracked_requests")},
             # what the cache holds and how many tokens fit (an FP8 cache holds ~1.9x a bf16 one's)
             "kv_cache_dtype": str(config.kv_dtype).removeprefix("torch."),
             "kv_capacity_tokens": stats.num_blocks_total * config.block_size,

@@ -188,6 +188,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int = 0
     num_step_failures: int = 0  # steps that raised (each failed every request in flight), lifetime
+    # requests the engine holds any state for (sequence, detokenizer, output stream): 0 when idle, so a
+    # request that ended without giving everything back shows here
+    num_tracked_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -717,7 +720,12 @@ class EngineCore:
             num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks, num_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_tracked_requests=len(self.tracked_request_ids()),
         )
+
+    def tracked_request_ids(self) -> set[str]:
+        """The requests this core holds any state for (a sequence, a detokenizer)."""
+        return self.scheduler.seqs.keys() | self._detokenizers.keys()
 
     def _log_step(self, out: SchedulerOutput, schedule_s: float, prepare_s: float, forward_s: float,
                   sample_s: float, record_s: float) -> None:
@@ -874,7 +882,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """Queue lengths, block usage, prefix-cache counters and failed steps."""
         with self._lock:
-            return replace(self.core.stats(), num_step_failures=self._step_failures)
+            tracked = self.core.tracked_request_ids() | self._streams.keys()
+            return replace(self.core.stats(), num_step_failures=self._step_failures,
+                           num_tracked_requests=len(tracked))
 
     def check_health(self) -> None:
         """Raise EngineUnhealthyError, saying why, when the engine can serve no more: its step thread has

@@ -768,6 +768,7 @@ def test_failed_step_ends_streams_with_error_and_engine_recovers(model: MossSpee
         failing_forward(engine, [RuntimeError("boom")])
         failed = [e async for e in engine.generate(GenerationRequest("f", rows, GREEDY, GREEDY, max_new_tokens=3))]
         used = engine.stats().num_blocks_used
+        assert engine.stats().num_tracked_requests == 0
         again = GenerationRequest("g", rows, GREEDY, GREEDY, max_new_tokens=3, min_new_tokens=3)
         after = [e async for e in engine.generate(again)]
         await engine.shutdown()
@@ -941,6 +942,7 @@ def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM, as
         firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         assert all(isinstance(e, AudioCodes) for e in firsts)
         assert engine.stats().num_blocks_used > 0
+        assert engine.stats().num_tracked_requests == 100
         for i, (request, stream) in enumerate(zip(requests, streams)):
             if i % 2 == 0:
                 engine.abort(request.request_id)  # explicit abort: the stream ends with Finished("abort")
@@ -950,7 +952,7 @@ def test_aborting_100_streams_frees_every_block(model: MossSpeechForCausalLM, as
             else:
                 await stream.aclose()  # the consumer walks away: the engine aborts it
         stats = engine.stats()
-        assert (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
+        assert (stats.num_running, stats.num_waiting, stats.num_blocks_used, stats.num_tracked_requests) == (0,) * 4
         assert stats.num_blocks_free == stats.num_blocks_total
         assert all(b.ref_count == 0 for b in engine.core.block_manager.blocks)
         await engine.shutdown()

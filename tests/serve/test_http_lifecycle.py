@@ -21,7 +21,8 @@ def stats(http: httpx.Client) -> dict:
 def is_idle(http: httpx.Client) -> bool:
     now = stats(http)
     return (now["llm"]["num_blocks_used"], now["llm"]["num_running"], now["llm"]["num_waiting"],
-            now["vocoder"]["open_sessions"], now["vocoder"]["active_streams"]) == (0, 0, 0, 0, 0)
+            now["llm"]["num_tracked_requests"], now["vocoder"]["open_sessions"],
+            now["vocoder"]["active_streams"]) == (0,) * 6
 
 
 def test_first_audio_arrives_while_generating_and_a_disconnect_frees_everything(http: httpx.Client) -> None:
@@ -36,6 +37,7 @@ def test_first_audio_arrives_while_generating_and_a_disconnect_frees_everything(
         # The first audio is in our hands, and the server is still generating this request.
         during = stats(http)
         assert during["llm"]["num_running"] == 1 and during["llm"]["num_blocks_used"] > 0
+        assert during["llm"]["num_tracked_requests"] == 1
         assert during["vocoder"]["active_streams"] == 1 and during["vocoder"]["open_sessions"] == 1
         report = http.get(f"/admin/requests/{request_id}").json()
         assert report["status"] == "streaming" and report["finish_reason"] is None
