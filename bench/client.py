@@ -133,22 +133,25 @@ class ChatAudioStream:
 
     def feed(self, data: bytes) -> int:
         """Samples of audio that the complete events in `data` (with what came before) carry."""
-        self._buffer += data
-        *events, self._buffer = self._buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        chunks, self._buffer = sse_payloads(self._buffer + data)
         samples = 0
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    self.error = self.error or f"error event: {chunk['error'].get('message')}"
-                    continue
-                for choice in chunk.get("choices", ()):
-                    audio = (choice.get("delta") or {}).get("audio") or {}
-                    if audio.get("data"):
-                        samples += len(base64.b64decode(audio["data"])) // BYTES_PER_SAMPLE
+        for chunk in chunks:
+            if "error" in chunk:
+                self.error = self.error or f"error event: {chunk['error'].get('message')}"
+                continue
+            for choice in chunk.get("choices", ()):
+                audio = (choice.get("delta") or {}).get("audio") or {}
+                if audio.get("data"):
+                    samples += len(base64.b64decode(audio["data"])) // BYTES_PER_SAMPLE
         return samples
+
+
+def sse_payloads(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """The JSON `data:` payloads of the complete server-sent events in `buffer` (`[DONE]` skipped), and the
+    bytes of the incomplete event after them."""
+    *events, rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+    return [json.loads(line[5:]) for event in events for line in event.split(b"\n")
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"], rest
 
 
 def question_wav(seconds: float, variant: int) -> str:
