@@ -19,8 +19,9 @@ app's `max_num_running + max_num_waiting` makes it part of the mix.
 
 At the end the app must become idle within `--settle-s`: no running or waiting sequence, no KV block in use,
 no vocoder session or stream, no active ingress request. With `--replica-rss` the resident memory of each
-of the app's replica processes on this machine (found by their `ray::ServeReplica:<app>:...` titles) is
-read every 10 s; the summary gives each one's first, last and highest value after the warm-up.
+of the app's replica processes on this machine (found by their `ray::ServeReplica:<app>:...` titles, so an app
+of the same name on another local Ray is read too; the pid tells them apart) is read every 10 s; the summary
+gives each one's first, last and highest value after the warm-up, and every reading.
 
 Prints one JSON summary (outcomes per kind, every failure's detail, idle check, memory); exit status 1 when
 any request failed its check or the app did not settle. Traffic stays on loopback (`bench/client.py`).
