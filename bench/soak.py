@@ -77,7 +77,6 @@ class Outcome:
     kind: str
     result: str
     detail: str = ""
-    request_id: str | None = None
 
 
 class Checked(Exception):
@@ -96,8 +95,8 @@ class Soak:
     async def run(self, kind: str) -> Outcome:
         try:
             async with asyncio.timeout(self.timeout_s):
-                request_id = await getattr(self, kind)()
-            return Outcome(kind, "ok", request_id=request_id)
+                await getattr(self, kind)()
+            return Outcome(kind, "ok")
         except _Overloaded as exc:
             return Outcome(kind, "overloaded", str(exc))
         except (Checked, httpx.HTTPError, ValueError, KeyError) as exc:
@@ -132,7 +131,7 @@ class Soak:
             raise Checked(f"{request_id}: {samples} samples received, {summary['num_audio_samples']} sent, "
                           f"expected {expected}")
 
-    async def speech(self) -> str:
+    async def speech(self) -> None:
         n = self.rng.randint(4, 24)
         form = self.rng.choice(["pcm", "wav", "sse"])
         body = {"model": "moss-speech", "input": self.text(), "min_new_tokens": n, "max_new_tokens": n,
@@ -143,9 +142,8 @@ class Soak:
         if form == "sse" and audio.done_codes != n:
             raise Checked(f"{request_id}: speech.audio.done missing or wrong: {audio.done_codes}")
         await self._finished(request_id, samples, n)
-        return request_id
 
-    async def _audio_chat(self, content: str | list[dict[str, Any]], max_tokens: int, min_codes: int) -> str:
+    async def _audio_chat(self, content: str | list[dict[str, Any]], max_tokens: int, min_codes: int) -> None:
         """A streamed chat with audio output; its samples must equal the codes the server counted x 1920."""
         body = {"model": "moss-speech", "stream": True, "modalities": ["text", "audio"],
                 "audio": {"voice": "default", "format": "pcm16"}, "max_tokens": max_tokens,
@@ -155,19 +153,18 @@ class Soak:
         if audio.error:
             raise Checked(f"{request_id}: {audio.error}")
         await self._finished(request_id, samples, None)
-        return request_id
 
-    async def chat_audio(self) -> str:
+    async def chat_audio(self) -> None:
         n = self.rng.randint(4, 16)
-        return await self._audio_chat(self.text(), n + 8, n)
+        await self._audio_chat(self.text(), n + 8, n)
 
-    async def speech_input(self) -> str:
+    async def speech_input(self) -> None:
         seconds = self.rng.choice([0.5, 1.0, 2.0])
         part = {"type": "input_audio",
                 "input_audio": {"data": question_wav(seconds, self.rng.randrange(10**6)), "format": "wav"}}
-        return await self._audio_chat([part], 16, 6)
+        await self._audio_chat([part], 16, 6)
 
-    async def chat_text(self) -> str | None:
+    async def chat_text(self) -> None:
         body = {"model": "moss-speech", "max_tokens": self.rng.randint(2, 12),
                 "messages": [{"role": "user", "content": self.text()}]}
         response = await self.client.post(self.url + CHAT_PATH, json=body)
@@ -175,9 +172,8 @@ class Soak:
         choice = response.json()["choices"][0]
         if not isinstance(choice["message"]["content"], str) or choice["finish_reason"] not in ("stop", "length"):
             raise Checked(f"unexpected completion: {choice}")
-        return None
 
-    async def disconnect_mid(self) -> str:
+    async def disconnect_mid(self) -> None:
         body = {"model": "moss-speech", "input": self.text(), "min_new_tokens": LONG_CODES,
                 "max_new_tokens": LONG_CODES, "response_format": "pcm"}
         keep = self.rng.randint(1, 3)  # audio reads before dropping
@@ -200,7 +196,6 @@ class Soak:
             await asyncio.sleep(0.1)
         if summary["status"] != 499:
             raise Checked(f"{request_id}: dropped mid-stream, recorded as {summary['status']}")
-        return request_id
 
     async def disconnect_early(self) -> None:
         body = {"model": "moss-speech", "input": self.text(), "min_new_tokens": LONG_CODES,
