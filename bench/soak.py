@@ -47,6 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.client import (  # the repo root is on sys.path now
+    CHAT_PATH,
     SPEECH_PATH,
     AudioStream,
     ChatAudioStream,
@@ -56,8 +57,8 @@ from bench.client import (  # the repo root is on sys.path now
 )
 from bench.measure import BYTES_PER_SAMPLE
 
-CHAT_PATH = "/v1/chat/completions"
-SAMPLES_PER_CODE = 1920  # 24 kHz audio at 12.5 codes per second
+# vocoder.SAMPLES_PER_CODE (24 kHz at 12.5 codes a second); not imported, so the load tools stay free of torch
+SAMPLES_PER_CODE = 1920
 MIX = {"speech": 5, "chat_audio": 2, "chat_text": 1, "speech_input": 1, "disconnect_mid": 2,
        "disconnect_early": 1, "bad": 2}
 LONG_CODES = 2000  # a disconnected request's length: it is never meant to end on its own
@@ -264,14 +265,19 @@ def replica_rss(app: str) -> dict[str, int]:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             if not title.startswith(f"ray::ServeReplica:{app}:"):
                 continue
-            status = (proc / "status").read_text()
+            rss = resident_bytes(proc)
         except OSError:  # gone meanwhile
             continue
-        rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
         # the title's suffix names the method running now (".handle_request_with_rejection"): not part of the name
         deployment = title.removeprefix(f"ray::ServeReplica:{app}:").split(".")[0].split()[0]
-        found[f"{deployment} (pid {proc.name})"] = rss_kb * 1024
+        found[f"{deployment} (pid {proc.name})"] = rss
     return found
+
+
+def resident_bytes(proc: Path = Path("/proc/self")) -> int:
+    """A process's resident memory (VmRSS of its /proc status), in bytes."""
+    status = (proc / "status").read_text().splitlines()
+    return 1024 * next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
 
 def is_idle(stats: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 import torch
@@ -712,20 +713,17 @@ class EngineCore:
         )
         return self.abort_with_error(request_id, BROKEN_LOGITS_MESSAGE)
 
-    def stats(self) -> EngineStats:
-        """Queue lengths, block usage and prefix-cache counters."""
+    def stats(self, held_elsewhere: AbstractSet[str] = frozenset()) -> EngineStats:
+        """Queue lengths, block usage and prefix-cache counters. `held_elsewhere`: ids of requests a caller holds
+        state for (the async engine's output streams), counted in `num_tracked_requests` with this core's."""
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks, num_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            num_tracked_requests=len(self.tracked_request_ids()),
+            num_tracked_requests=len(self.scheduler.seqs.keys() | self._detokenizers.keys() | held_elsewhere),
         )
-
-    def tracked_request_ids(self) -> set[str]:
-        """The requests this core holds any state for (a sequence, a detokenizer)."""
-        return self.scheduler.seqs.keys() | self._detokenizers.keys()
 
     def _log_step(self, out: SchedulerOutput, schedule_s: float, prepare_s: float, forward_s: float,
                   sample_s: float, record_s: float) -> None:
@@ -882,9 +880,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """Queue lengths, block usage, prefix-cache counters and failed steps."""
         with self._lock:
-            tracked = self.core.tracked_request_ids() | self._streams.keys()
-            return replace(self.core.stats(), num_step_failures=self._step_failures,
-                           num_tracked_requests=len(tracked))
+            return replace(self.core.stats(self._streams.keys()), num_step_failures=self._step_failures)
 
     def check_health(self) -> None:
         """Raise EngineUnhealthyError, saying why, when the engine can serve no more: its step thread has

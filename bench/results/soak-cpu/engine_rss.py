@@ -12,14 +12,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import runtime.prompts as P
+from bench.soak import resident_bytes
 from runtime.engine import Engine, EngineConfig
 from runtime.request import GenerationRequest
 from runtime.sampling import SamplingParams
-
-
-def rss() -> float:
-    status = Path("/proc/self/status").read_text().splitlines()
-    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
 async def main() -> None:
@@ -43,7 +39,7 @@ async def main() -> None:
     for batch in range(60):
         await asyncio.gather(*(one(batch * 200 + i) for i in range(200)))
         if batch % 5 == 4:
-            print(batch * 200 + 200, round(time.time() - started), round(rss(), 1), flush=True)
+            print(batch * 200 + 200, round(time.time() - started), round(resident_bytes() / 2**20, 1), flush=True)
     await engine.shutdown()
 
 
