@@ -243,13 +243,16 @@ class SpeechEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, audio: np.ndarray | torch.Tensor) -> list[int]:
         """Codes of a 16 kHz mono clip (float samples in [-1, 1]); `config.num_codes(len(audio))` of them,
-        each in 0..codebook_size-1. ValueError for a clip too short for one code or not one-dimensional."""
+        each in 0..codebook_size-1. ValueError for a clip too short for one code, not one-dimensional, or holding a
+        NaN or infinite sample (its codes would be the nearest-code search's answer to NaN distances: code 0)."""
         audio = torch.as_tensor(audio, dtype=torch.float32)
         if audio.ndim != 1:
             raise ValueError(f"audio must be one channel [samples], got shape {tuple(audio.shape)}")
         if self.config.num_codes(audio.numel()) < 1:
             raise ValueError(f"audio of {audio.numel()} samples is too short for one code "
                              f"(at least {MEL_HOP} samples at 16 kHz)")
+        if not bool(torch.isfinite(audio).all()):
+            raise ValueError(f"audio holds {int((~torch.isfinite(audio)).sum())} NaN or infinite sample(s)")
         with torch.cuda.stream(self.stream):  # (None: a no-op, the caller's current stream)
             audio = audio.to(self.device)
             step = self.config.segment_samples

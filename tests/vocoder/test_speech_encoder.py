@@ -121,6 +121,10 @@ def test_bad_clips_are_refused(encoder) -> None:
         encoder.encode(np.zeros(159, dtype=np.float32))
     with pytest.raises(ValueError, match=r"one channel \[samples\], got shape \(2, 2000\)"):
         encoder.encode(np.zeros((2, 2000), dtype=np.float32))
+    clip = np.zeros(2000, dtype=np.float32)
+    clip[[3, 1500]] = [np.nan, -np.inf]
+    with pytest.raises(ValueError, match=r"^audio holds 2 NaN or infinite sample\(s\)$"):
+        encoder.encode(clip)
 
 
 def test_a_checkpoint_folder_loads_to_the_same_codes_with_unused_tensors_ignored(tmp_path: Path) -> None:
