@@ -19,9 +19,11 @@ app's `max_num_running + max_num_waiting` makes it part of the mix.
 
 At the end the app must become idle within `--settle-s`: no running or waiting sequence, no KV block in use,
 no vocoder session or stream, no active ingress request. With `--replica-rss` the resident memory of each
-of the app's replica processes on this machine (found by their `ray::ServeReplica:<app>:...` titles, so an app
-of the same name on another local Ray is read too; the pid tells them apart) is read every 10 s; the summary
-gives each one's first, last and highest value after the warm-up, and every reading.
+of the app's replica processes on this machine (found by their `ray::ServeReplica:<app>:...` titles) is read
+every 10 s; the summary gives each one's first, last and highest value after the warm-up, and every reading.
+An app of the same name on another local Ray (the test suite's, say) is read too, unless `--ray-session` names
+this app's Ray session folder (`bench/serve_app.py` prints it as `session_dir`): then only the processes whose
+standard output goes to that session's logs count.
 
 Prints one JSON summary (outcomes per kind, every failure's detail, idle check, memory); exit status 1 when
 any request failed its check or the app did not settle. Traffic stays on loopback (`bench/client.py`).
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import random
 import shlex
 import sys
@@ -255,15 +258,19 @@ class SpeechSse:
         return samples
 
 
-def replica_rss(app: str) -> dict[str, int]:
-    """Resident bytes of this machine's processes titled `ray::ServeReplica:<app>:...`, by title."""
+def replica_rss(app: str, session_dir: str | None = None, proc_root: Path = Path("/proc")) -> dict[str, int]:
+    """Resident bytes of this machine's processes titled `ray::ServeReplica:<app>:...`, by title; given a Ray
+    session folder, only those whose standard output is a file under it (a Ray worker's log)."""
     found: dict[str, int] = {}
-    for proc in Path("/proc").iterdir():
+    logs = None if session_dir is None else Path(session_dir).resolve()
+    for proc in proc_root.iterdir():
         if not proc.name.isdigit():
             continue
         try:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             if not title.startswith(f"ray::ServeReplica:{app}:"):
+                continue
+            if logs is not None and logs not in Path(os.readlink(proc / "fd" / "1")).parents:
                 continue
             rss = resident_bytes(proc)
         except OSError:  # gone meanwhile
@@ -289,7 +296,7 @@ def is_idle(stats: dict[str, Any]) -> bool:
 
 
 async def soak(url: str, *, duration_s: float, concurrency: int, seed: int, timeout_s: float, settle_s: float,
-               warmup: int, rss_app: str | None) -> dict[str, Any]:
+               warmup: int, rss_app: str | None, ray_session: str | None = None) -> dict[str, Any]:
     """Run the mix, then check that the app settles -> the summary."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     outcomes: list[Outcome] = []
@@ -310,7 +317,7 @@ async def soak(url: str, *, duration_s: float, concurrency: int, seed: int, time
 
         async def sample_rss() -> None:
             while True:
-                rss.append((time.monotonic() - started, replica_rss(rss_app)))
+                rss.append((time.monotonic() - started, replica_rss(rss_app, ray_session)))
                 await asyncio.sleep(10.0)
 
         sampler = asyncio.create_task(sample_rss()) if rss_app else None
@@ -319,7 +326,7 @@ async def soak(url: str, *, duration_s: float, concurrency: int, seed: int, time
         settled_after, last = await _settle(client, url, settle_s)
         if sampler is not None:
             sampler.cancel()
-            rss.append((time.monotonic() - started, replica_rss(rss_app)))
+            rss.append((time.monotonic() - started, replica_rss(rss_app, ray_session)))
     counts = Counter((o.kind, o.result) for o in outcomes)
     failures = [f"{o.kind}: {o.detail}" for o in outcomes if o.result == "failed"]
     return {
@@ -371,12 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="speech requests before the clock starts")
     parser.add_argument("--replica-rss", default=None, metavar="APP",
                         help="read the resident memory of this Serve app's replica processes")
+    parser.add_argument("--ray-session", default=None, metavar="DIR",
+                        help="with --replica-rss: only the replicas of the Ray whose session folder this is")
     parser.add_argument("--out", default=None, help="also write the JSON summary here")
     args = parser.parse_args(argv)
+    if args.ray_session is not None and args.replica_rss is None:
+        parser.error("--ray-session needs --replica-rss")
     url = check_url(args.url)
     summary = asyncio.run(soak(url, duration_s=args.duration, concurrency=args.concurrency, seed=args.seed,
                                timeout_s=args.timeout, settle_s=args.settle_s, warmup=args.warmup,
-                               rss_app=args.replica_rss))
+                               rss_app=args.replica_rss, ray_session=args.ray_session))
     summary["command"] = shlex.join(["python", "bench/soak.py", *(argv if argv is not None else sys.argv[1:])])
     text = json.dumps(summary, indent=2)
     print(text)

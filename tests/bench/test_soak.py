@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
-from bench.soak import SpeechSse, _rss_summary, is_idle
+from bench.soak import SpeechSse, _rss_summary, is_idle, replica_rss
 
 
 def sse(payload: dict) -> bytes:
@@ -53,3 +54,27 @@ def test_rss_summary_gives_first_last_and_highest_per_process() -> None:
                               "max_mib": 300.0, "samples": 3,
                               "series": [[0.0, 100.0], [10.0, 300.0], [20.0, 200.0]]},
     }
+
+
+def fake_process(root: Path, pid: int, title: str, rss_kib: int, stdout: Path) -> None:
+    proc = root / str(pid)
+    (proc / "fd").mkdir(parents=True)
+    (proc / "cmdline").write_bytes(title.encode() + b"\0\0")
+    (proc / "status").write_text(f"Name:\tray::ServeRepl\nVmPeak:\t 999 kB\nVmRSS:\t{rss_kib:>8} kB\nThreads:\t7\n")
+    (proc / "fd" / "1").symlink_to(stdout)
+
+
+def test_replica_memory_is_read_by_app_title_and_optionally_by_ray_session(tmp_path: Path) -> None:
+    ours, other = tmp_path / "session_a", tmp_path / "session_b"
+    root = tmp_path / "proc"
+    fake_process(root, 101, "ray::ServeReplica:moss:LLMServer.handle_request_with_rejection", 2048,
+                 ours / "logs" / "worker-1.out")
+    fake_process(root, 102, "ray::ServeReplica:moss:Ingress", 1024, ours / "logs" / "worker-2.out")
+    fake_process(root, 201, "ray::ServeReplica:moss:LLMServer", 4096, other / "logs" / "worker-3.out")
+    fake_process(root, 103, "ray::ServeReplica:mossy:Ingress", 512, ours / "logs" / "worker-4.out")
+    fake_process(root, 104, "ray::ProxyActor", 512, ours / "logs" / "worker-5.out")
+    (root / "self").mkdir()
+    assert replica_rss("moss", proc_root=root) == {
+        "LLMServer (pid 101)": 2048 * 1024, "Ingress (pid 102)": 1024 * 1024, "LLMServer (pid 201)": 4096 * 1024}
+    assert replica_rss("moss", str(ours), proc_root=root) == {
+        "LLMServer (pid 101)": 2048 * 1024, "Ingress (pid 102)": 1024 * 1024}
