@@ -388,7 +388,8 @@ def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
 
     FP8 on a GPU: the bf16 model (a checkpoint, or a preset's weights drawn on the GPU) waits in host memory
     and each matrix goes to the device only to be quantized (EngineCore), so the device never holds the
-    whole bf16 model and the load peaks near the serving footprint."""
+    whole bf16 model and the load peaks near the serving footprint. A bf16 checkpoint waits as views of its
+    files' mappings (page cache), so the host's own memory does not hold it either."""
     cap_device_memory(config.device, config.memory_cap_bytes)
     if config.model in _PRESETS:
         model = build_model(
@@ -398,8 +399,9 @@ def load_model(config: EngineConfig) -> tuple[MossSpeechForCausalLM, Tokenizer]:
         return model, Tokenizer.tiny()
     from runtime.weights import load_pretrained
 
-    where = "cpu" if _stages_fp8(config) else config.device
-    return load_pretrained(config.model, device=where, dtype=config.torch_dtype, debug_checks=config.debug_checks)
+    staged = _stages_fp8(config)
+    return load_pretrained(config.model, device="cpu" if staged else config.device, dtype=config.torch_dtype,
+                           debug_checks=config.debug_checks, mapped=staged)
 
 
 def _stages_fp8(config: EngineConfig) -> bool:

@@ -119,20 +119,28 @@ def _layer_weights(layer: DecoderLayer) -> LayerWeights:
 
 
 @torch.no_grad()
-def fuse_model_weights(model: MossSpeechForCausalLM) -> FusedWeights:
+def fuse_model_weights(model: MossSpeechForCausalLM, *, deferred: tuple[str, ...] = ()) -> FusedWeights:
     """Fuse QKV and gate/up of every layer in place (parameters become views) and collect the weights.
+    The blocks named in `deferred` ("shared", "text", "audio") are left unfused, as empty tuples, for a
+    caller that fuses them a layer at a time (`quantize_model_in_place`).
 
     On CUDA the allocator's cache is emptied afterwards: the separate q/k/v/gate/up blocks freed by the
     fusion would otherwise stay reserved (measured: ~4 GiB of the 24 GB profile) and fit nothing larger.
     """
     m = model.model
+
+    def layers(block: str) -> tuple[LayerWeights, ...]:
+        if block in deferred:
+            return ()
+        return tuple(_layer_weights(layer) for layer in getattr(m, f"{block}_block").layers)
+
     weights = FusedWeights(
         config=model.config,
         embed_text=m.embed_tokens.weight.detach(),
         embed_audio=m.audio_embed.weight.detach(),
-        shared=tuple(_layer_weights(layer) for layer in m.shared_block.layers),
-        text=tuple(_layer_weights(layer) for layer in m.text_block.layers),
-        audio=tuple(_layer_weights(layer) for layer in m.audio_block.layers),
+        shared=layers("shared"),
+        text=layers("text"),
+        audio=layers("audio"),
         text_norm=m.text_norm.weight.detach(),
         audio_norm=m.audio_norm.weight.detach(),
         text_head=model.text_lm_head.weight.detach(),
@@ -173,23 +181,22 @@ def with_fp8(weights: FusedWeights, scope: str = "all") -> FusedWeights:
 def quantize_model_in_place(
     model: MossSpeechForCausalLM, scope: str = "all", device: torch.device | str | None = None
 ) -> FusedWeights:
-    """Fuse, then quantize the `scope` matrices to FP8 one layer at a time, releasing each bf16 matrix as
+    """Fuse and quantize the `scope` matrices to FP8 one layer at a time, releasing each bf16 matrix as
     soon as its FP8 twin exists. The model's parameters for those matrices become empty, so only the fast
     path can run the model afterwards.
 
     device None: everything stays where it is (peak: bf16 weights + one layer). Given a device (the model
     loaded on the CPU), every tensor that stays bf16 moves there first, and each matrix to quantize moves
     there only for its own quantization, so the device never holds more than the FP8 model, the bf16
-    remainder (embeddings, norms; the heads or tails outside `scope`) and one bf16 matrix."""
+    remainder (embeddings, norms; the heads or tails outside `scope`) and one bf16 matrix; the host holds
+    the loaded model (file mappings, with `load_pretrained(mapped=True)`) and one layer's fused copies."""
     if scope not in FP8_SCOPES:
         raise ValueError(f"fp8 scope must be one of {FP8_SCOPES}, got {scope!r}")
-    modules = {layer.layer_idx: layer for block in (model.model.shared_block, model.model.text_block,
-                                                    model.model.audio_block) for layer in block.layers}
     blocks = ("shared",) if scope == "shared" else ("shared", "text", "audio")
     target = None if device is None else torch.device(device)
     if target is not None:
         _move_all_but_quantized(model, scope, blocks, target)
-    weights = fuse_model_weights(model)  # on the CPU for the matrices still there
+    weights = fuse_model_weights(model, deferred=blocks)
     fields = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
     del weights
 
@@ -197,11 +204,11 @@ def quantize_model_in_place(
         return quantize_weight(w if target is None else w.to(target))
 
     for block in blocks:
-        layers: list[LayerWeights] = list(fields.pop(block))
-        for i in range(len(layers)):
-            layer = layers[i]
-            layers[i] = dataclasses.replace(layer, **{k: quantize(w) for k, w in layer.matrices().items()})
-            for linear in _layer_linears(modules[layer.layer_idx]):
+        layers: list[LayerWeights] = []
+        for module in getattr(model.model, f"{block}_block").layers:
+            layer = _layer_weights(module)  # fuses this layer (on the CPU when staged)
+            layers.append(dataclasses.replace(layer, **{k: quantize(w) for k, w in layer.matrices().items()}))
+            for linear in _layer_linears(module):
                 _release(linear, target)
             del layer
         fields[block] = tuple(layers)

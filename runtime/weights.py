@@ -115,9 +115,15 @@ def load_pretrained(
     dtype: torch.dtype,
     debug_checks: bool = False,
     progress: bool = True,
+    mapped: bool = False,
 ) -> tuple[MossSpeechForCausalLM, Tokenizer]:
     """Load `config.json`, `tokenizer.json` and the safetensors weights (single file or sharded) of a
-    checkpoint folder; any missing, unexpected or wrongly shaped tensor is a `CheckpointError`."""
+    checkpoint folder; any missing, unexpected or wrongly shaped tensor is a `CheckpointError`.
+
+    `mapped` (CPU only): tensors stored in `dtype` stay views of the files' read-only mappings instead of
+    copies, so they sit in the page cache, which the system can reclaim, and not in the process's own memory.
+    For a model that is consumed right away (FP8 staging: each matrix is quantized onto the GPU and dropped)
+    while the files stay as they are: a file truncated meanwhile would fault the process (SIGBUS)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder not found: {path}")
@@ -137,6 +143,8 @@ def load_pretrained(
         raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts))
 
     device = torch.device(device)
+    if mapped and device.type != "cpu":
+        raise ValueError(f"mapped loading keeps the tensors in the files' mappings, on the CPU; device is {device}")
     mismatched: list[str] = []
     wrong_types: list[str] = []
     for name, keys in files.items():
@@ -161,7 +169,7 @@ def load_pretrained(
                     tensor = f.get_tensor(key)
                     if tensor.dtype != dtype:
                         tensor = tensor.to(dtype)
-                    elif tensor.device.type == "cpu":
+                    elif tensor.device.type == "cpu" and not mapped:
                         # a view of the file's mapping: the model would change with the file, or fault
                         # (SIGBUS) once it is truncated
                         tensor = tensor.clone()

@@ -291,6 +291,33 @@ def test_quantize_model_in_place_releases_bf16_and_matches_with_fp8() -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(("scope", "device"), [("layers", None), ("all", "cpu")])
+def test_quantization_fuses_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch, scope: str, device: str | None) -> None:
+    """Each layer's q/k/v and gate/up are fused only when that layer is quantized, and its bf16 matrices are
+    released before the next layer is fused: the host holds one layer's fused copies at a time, not the whole
+    model's (a staged checkpoint stays in its file mappings until then)."""
+    import runtime.fused as fused_mod
+
+    model = build_model(CONFIG, seed=3)
+    layers = [layer for block in (model.model.shared_block, model.model.text_block, model.model.audio_block)
+              for layer in block.layers]
+
+    def fused_layers() -> list[int]:
+        return [layer.layer_idx for layer in layers
+                if fused_mod._already_fused([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                             layer.self_attn.v_proj.weight])
+                and layer.self_attn.q_proj.weight.numel() > 0]
+
+    seen = []
+    quantize = fused_mod.quantize_weight
+    monkeypatch.setattr(fused_mod, "quantize_weight", lambda w: seen.append(tuple(fused_layers())) or quantize(w))
+    quantize_model_in_place(model, scope, device)
+    # qkv, o, gate_up and down of the layer being quantized; then both heads, every layer released by then
+    heads = [()] * 2 if scope == "all" else []
+    assert seen == [(layer.layer_idx,) for layer in layers for _ in range(4)] + heads
+    assert fused_layers() == []
+
+
 @pytest.mark.parametrize("scope", ["shared", "all"])
 def test_staged_quantization_moves_everything_but_the_matrices_it_quantizes(scope: str) -> None:
     """With a target device, quantize_model_in_place first moves every tensor that stays in its dtype (here to
@@ -351,6 +378,24 @@ def test_engine_stages_fp8_presets_through_host_memory(monkeypatch: pytest.Monke
     assert calls == [("cap", "cuda", 2**30),
                      ("build", {"seed": config.weights_seed, "device": "cuda", "dtype": config.torch_dtype,
                                 "debug_checks": config.debug_checks, "on_host": on_host})]
+
+
+@pytest.mark.parametrize(("device", "fp8_scope", "where", "mapped"),
+                         [("cuda", "all", "cpu", True), ("cuda", None, "cuda", False), ("cpu", "all", "cpu", False)])
+def test_engine_maps_a_checkpoint_it_stages_for_fp8(monkeypatch: pytest.MonkeyPatch, device: str,
+                                                    fp8_scope: str | None, where: str, mapped: bool) -> None:
+    """A checkpoint staged for FP8 on a GPU loads onto the host as views of its files (page cache, not the
+    process's memory); every other load copies onto its device."""
+    from runtime import engine as engine_mod
+    from runtime import weights as weights_mod
+
+    calls = []
+    monkeypatch.setattr(engine_mod, "cap_device_memory", lambda device, cap: None)
+    monkeypatch.setattr(weights_mod, "load_pretrained", lambda path, **kw: calls.append((path, kw)) or ("m", "t"))
+    config = engine_mod.EngineConfig(model="/ckpt", device=device, fast_path=True, fp8_scope=fp8_scope)
+    assert engine_mod.load_model(config) == ("m", "t")
+    assert calls == [("/ckpt", {"device": where, "dtype": config.torch_dtype, "debug_checks": config.debug_checks,
+                                "mapped": mapped})]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the numbers are drawn on a GPU")

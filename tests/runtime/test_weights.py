@@ -252,6 +252,25 @@ def test_loaded_weights_own_their_memory_not_the_files(tmp_path: Path, zero_tens
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+def test_mapped_loading_leaves_the_weights_in_the_files_mappings(tmp_path: Path, zero_tensor_bytes) -> None:
+    """`mapped=True` (FP8 staging) keeps tensors stored in the load dtype as views of the file: the same values
+    as a copying load, and they follow the file (here zeroed in place), so the process holds no copy of them.
+    A cast still copies; a device other than the CPU is refused."""
+    save_checkpoint(build_model(SMALL, seed=4), tmp_path)
+    copied, _ = load_pretrained(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    mapped, _ = load_pretrained(tmp_path, device="cpu", dtype=torch.float32, progress=False, mapped=True)
+    cast, _ = load_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16, progress=False, mapped=True)
+    want = copied.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in mapped.state_dict().items())
+    assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in cast.state_dict().items())
+    zero_tensor_bytes(tmp_path / SINGLE_FILE)
+    assert all(not v.any() for v in mapped.state_dict().values())
+    assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in cast.state_dict().items())
+    with pytest.raises(ValueError, match="mapped loading keeps the tensors in the files' mappings, on the CPU; "
+                                         "device is meta"):
+        load_pretrained(tmp_path, device="meta", dtype=torch.float32, progress=False, mapped=True)
+
+
 def test_config_refuses_booleans_for_float_fields_and_other_attention_shapes() -> None:
     good = ModelConfig.preset("full").to_hf_dict()
     for name in ("rope_theta", "rms_norm_eps"):
