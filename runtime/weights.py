@@ -120,7 +120,7 @@ def load_pretrained(
     """Load `config.json`, `tokenizer.json` and the safetensors weights (single file or sharded) of a
     checkpoint folder; any missing, unexpected or wrongly shaped tensor is a `CheckpointError`.
 
-    `mapped` (CPU only): tensors stored in `dtype` stay views of the files' read-only mappings instead of
+    `mapped` (CPU only): tensors stored in `dtype` stay views of the files' mappings instead of
     copies, so they sit in the page cache, which the system can reclaim, and not in the process's own memory.
     For a model that is consumed right away (FP8 staging: each matrix is quantized onto the GPU and dropped)
     while the files stay as they are: a file truncated meanwhile would fault the process (SIGBUS)."""
