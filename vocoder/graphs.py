@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype, str], ...]
+SEEN_PER_GRAPH = 8  # signatures whose sightings are counted, per graph the function may keep
 
 
 @dataclass
@@ -35,7 +36,9 @@ class GraphedFunction:
     later replay overwrites. On CPU the same buffer path runs with `fn` re-executed instead of a graph
     (so tests can check the plumbing). At most `max_graphs` signatures are kept; others run eagerly.
     After `freeze()` only the signatures captured by then are ever captured (again, after a `reset`), so
-    the graphs' memory stays what it was then.
+    the graphs' memory stays what it was then. Sightings are counted only for signatures that could still
+    be captured, and for at most `SEEN_PER_GRAPH * max_graphs` of them (the oldest forgotten first), so a
+    caller whose shapes keep changing does not grow the count without end.
     """
 
     def __init__(
@@ -73,6 +76,10 @@ class GraphedFunction:
         """Capture no signature beyond those captured now: any other runs eagerly from here on."""
         self._allowed = frozenset(self._graphs)
 
+    def _capturable(self, sig: Signature) -> bool:
+        """Whether a signature not captured now may be: room for a graph, and allowed if frozen."""
+        return len(self._graphs) < self.max_graphs and (self._allowed is None or sig in self._allowed)
+
     @property
     def frozen(self) -> bool:
         return self._allowed is not None
@@ -82,9 +89,11 @@ class GraphedFunction:
         sig: Signature = tuple((tuple(a.shape), a.dtype, str(a.device)) for a in args)
         captured = self._graphs.get(sig)
         if captured is None:
-            self._seen[sig] = self._seen.get(sig, 0) + 1
-            if (self._seen[sig] < self.capture_after_calls or len(self._graphs) >= self.max_graphs
-                    or (self._allowed is not None and sig not in self._allowed)):
+            if self._capturable(sig):
+                if sig not in self._seen and len(self._seen) >= SEEN_PER_GRAPH * self.max_graphs:
+                    del self._seen[next(iter(self._seen))]
+                self._seen[sig] = self._seen.get(sig, 0) + 1
+            if not self._capturable(sig) or self._seen[sig] < self.capture_after_calls:
                 self.num_eager_calls += 1
                 return self.fn(*args)
             captured = self._capture(args)

@@ -325,6 +325,38 @@ def test_frozen_graphed_function_captures_only_what_it_had() -> None:
     assert (fn.num_graphs, fn.num_eager_calls, fn.num_replays) == (1, 4, 2) and fn.frozen
 
 
+def test_graphed_function_counts_sightings_of_few_signatures() -> None:
+    """Signatures that can no longer be captured are not counted, and at most SEEN_PER_GRAPH x max_graphs
+    are (the oldest forgotten): shapes that keep changing do not grow the function's memory."""
+    import torch
+
+    from vocoder.graphs import SEEN_PER_GRAPH, GraphedFunction
+
+    def sig(n: int) -> tuple:
+        return (((n,), torch.float32, "cpu"),)
+
+    fn = GraphedFunction(lambda x: x + 1, max_graphs=2)
+    bound = SEEN_PER_GRAPH * 2
+    for n in range(1, bound + 6):
+        fn(torch.zeros(n))
+    assert list(fn._seen) == [sig(n) for n in range(6, bound + 6)]
+    assert fn.num_graphs == 0 and fn.num_eager_calls == bound + 5
+    fn(torch.zeros(1))  # forgotten in the loop: seen once again, still eager
+    assert fn.num_graphs == 0 and fn._seen[sig(1)] == 1 and sig(6) not in fn._seen
+    fn(torch.zeros(1))
+    fn(torch.zeros(2))
+    fn(torch.zeros(2))
+    assert fn.num_graphs == 2
+    fn(torch.zeros(50))
+    fn(torch.zeros(50))  # no room: eager, and not counted
+    assert fn.num_graphs == 2 and sig(50) not in fn._seen
+    fn.freeze()
+    fn.reset()
+    fn(torch.zeros(7))
+    fn(torch.zeros(7))  # frozen without (7,): never captured, not counted
+    assert fn.num_graphs == 0 and fn._seen == {} and fn.num_eager_calls == bound + 11
+
+
 def test_graph_path_pads_steps_to_few_shapes(codes: list[int]) -> None:
     # With graphs a step runs a bucketed number of rows (padding rows on a scratch slot) and of frames;
     # the audio of the real rows is the eager, unpadded audio.
