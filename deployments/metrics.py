@@ -125,7 +125,9 @@ class VocoderMetrics:
 
 
 class RecentWindow:
-    """Values observed in the last `window_s` seconds, for autoscaling stats (p90, mean)."""
+    """Values observed in the last `window_s` seconds, for autoscaling stats (p90, mean). Expired values go
+    as new ones come, not only when read: Serve reads the stats only with an autoscaling config, and a
+    replica with a fixed count would otherwise keep every value it ever saw."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
@@ -133,12 +135,21 @@ class RecentWindow:
 
     def add(self, value: float, now: float | None = None) -> None:
         """Record one value."""
-        self._items.append((time.monotonic() if now is None else now, value))
+        now = time.monotonic() if now is None else now
+        self._items.append((now, value))
+        self._expire(now)
 
-    def _values(self, now: float | None) -> list[float]:
-        cutoff = (time.monotonic() if now is None else now) - self.window_s
+    def __len__(self) -> int:
+        """Values held now (read or not)."""
+        return len(self._items)
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.window_s
         while self._items and self._items[0][0] < cutoff:
             self._items.popleft()
+
+    def _values(self, now: float | None) -> list[float]:
+        self._expire(time.monotonic() if now is None else now)
         return [value for _, value in self._items]
 
     def quantile(self, q: float, now: float | None = None) -> float:

@@ -22,3 +22,14 @@ def test_old_values_leave_the_window() -> None:
     assert window.quantile(0.9, now=10.0) == 100.0  # both inside [0, 10]
     assert window.quantile(0.9, now=10.5) == 1.0  # the value at t=0 expired
     assert window.mean(now=20.0) == 0.0
+
+
+def test_values_expire_as_new_ones_come_even_if_never_read() -> None:
+    """Serve reads the autoscaling stats only with an autoscaling config: a fixed-count replica's window must
+    not keep every value it ever saw."""
+    window = RecentWindow(window_s=10.0)
+    for tenth in range(1000):  # 100 s of values, ten a second, never read
+        window.add(1.0, now=tenth / 10)
+    assert len(window) == 101  # 89.9 .. 99.9 s: the last 10 s and the value at the cutoff
+    window.add(2.0, now=500.0)
+    assert len(window) == 1 and window.mean(now=500.0) == 2.0
