@@ -89,11 +89,12 @@ class GraphedFunction:
         sig: Signature = tuple((tuple(a.shape), a.dtype, str(a.device)) for a in args)
         captured = self._graphs.get(sig)
         if captured is None:
-            if self._capturable(sig):
+            capturable = self._capturable(sig)
+            if capturable:
                 if sig not in self._seen and len(self._seen) >= SEEN_PER_GRAPH * self.max_graphs:
                     del self._seen[next(iter(self._seen))]
                 self._seen[sig] = self._seen.get(sig, 0) + 1
-            if not self._capturable(sig) or self._seen[sig] < self.capture_after_calls:
+            if not capturable or self._seen[sig] < self.capture_after_calls:
                 self.num_eager_calls += 1
                 return self.fn(*args)
             captured = self._capture(args)
