@@ -109,7 +109,14 @@ class FlowConfig:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if not self.cfg_rate >= 0.0:
             raise ValueError(f"cfg_rate must be >= 0, got {self.cfg_rate}")
-        if MEL_FRAMES_PER_CODE % self.estimator.attention_chunk_frames != 0:
+        # The streaming decoder's chunk rule and its code check use these constants, not the config's values
+        if self.encoder.lookahead != LOOKAHEAD_CODES:
+            raise ValueError(f"encoder.lookahead must be {LOOKAHEAD_CODES} (the streaming decoder waits for that "
+                             f"many codes after a chunk), got {self.encoder.lookahead}")
+        if self.encoder.vocab_size != NUM_AUDIO_CODES:
+            raise ValueError(f"encoder.vocab_size must be {NUM_AUDIO_CODES} (the codes the decoder accepts), got "
+                             f"{self.encoder.vocab_size}")
+        if self.estimator.attention_chunk_frames < 1 or MEL_FRAMES_PER_CODE % self.estimator.attention_chunk_frames:
             raise ValueError(
                 "attention_chunk_frames must divide MEL_FRAMES_PER_CODE (chunks are code-aligned)"
             )

@@ -244,8 +244,12 @@ class SpeechEncoder(nn.Module):
     def encode(self, audio: np.ndarray | torch.Tensor) -> list[int]:
         """Codes of a 16 kHz mono clip (float samples in [-1, 1]); `config.num_codes(len(audio))` of them,
         each in 0..codebook_size-1. ValueError for a clip too short for one code, not one-dimensional, or holding a
-        NaN or infinite sample (its codes would be the nearest-code search's answer to NaN distances: code 0)."""
-        audio = torch.as_tensor(audio, dtype=torch.float32)
+        NaN or infinite sample (its codes would be the nearest-code search's answer to NaN distances: code 0), and
+        for integer, boolean or complex samples (int16 PCM would be encoded at 32767 times its level)."""
+        audio = torch.as_tensor(audio)
+        if not audio.is_floating_point():
+            raise ValueError(f"audio must hold float samples in [-1, 1], got dtype {audio.dtype}")
+        audio = audio.to(torch.float32)
         if audio.ndim != 1:
             raise ValueError(f"audio must be one channel [samples], got shape {tuple(audio.shape)}")
         if self.config.num_codes(audio.numel()) < 1:

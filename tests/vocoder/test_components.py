@@ -76,6 +76,19 @@ def test_bigvgan_config_must_fit_this_mel() -> None:
         VocoderConfig.preset("huge")
 
 
+def test_flow_config_must_match_the_streaming_decoders_constants() -> None:
+    flow = VocoderConfig.preset("tiny").flow
+    flow.validate()
+    for encoder, message in [(dataclasses.replace(flow.encoder, lookahead=4), "^encoder.lookahead must be 3 "),
+                             (dataclasses.replace(flow.encoder, lookahead=2), "^encoder.lookahead must be 3 "),
+                             (dataclasses.replace(flow.encoder, vocab_size=4096), "^encoder.vocab_size must be 16384 ")]:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(flow, encoder=encoder).validate()
+    for frames in (0, 3):
+        with pytest.raises(ValueError, match="^attention_chunk_frames must divide MEL_FRAMES_PER_CODE"):
+            dataclasses.replace(flow, estimator=dataclasses.replace(flow.estimator, attention_chunk_frames=frames)).validate()
+
+
 def test_bigvgan_safetensors_checkpoints(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

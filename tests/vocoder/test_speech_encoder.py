@@ -125,6 +125,13 @@ def test_bad_clips_are_refused(encoder) -> None:
     clip[[3, 1500]] = [np.nan, -np.inf]
     with pytest.raises(ValueError, match=r"^audio holds 2 NaN or infinite sample\(s\)$"):
         encoder.encode(clip)
+    for samples, dtype in [(np.zeros(2000, dtype=np.int16), "torch.int16"), (np.zeros(2000, dtype=bool), "torch.bool"),
+                           (np.zeros(2000, dtype=np.complex64), "torch.complex64"), ([0] * 2000, "torch.int64")]:
+        with pytest.raises(ValueError, match=rf"^audio must hold float samples in \[-1, 1\], got dtype {dtype}$"):
+            encoder.encode(samples)
+    float32 = encoder.encode(np.zeros(2000, dtype=np.float32))
+    assert len(float32) == encoder.config.num_codes(2000) == 2
+    assert encoder.encode(np.zeros(2000, dtype=np.float64)) == encoder.encode([0.0] * 2000) == float32
 
 
 def test_a_checkpoint_folder_loads_to_the_same_codes_with_unused_tensors_ignored(tmp_path: Path) -> None:
