@@ -18,6 +18,9 @@ TopK = Annotated[int, Field(ge=0, le=16384)]
 RepetitionPenalty = Annotated[float, Field(ge=0.01, le=10.0)]  # within the engine's range (sampling.py)
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 NewTokens = Annotated[int, Field(ge=1)]
+# Messages of one chat request: each costs the LLM replica prompt rows to build, on its event loop, even when
+# it is empty (max_input_chars counts only text)
+MAX_MESSAGES = 1024
 
 
 class SamplingFields(BaseModel):
@@ -115,7 +118,7 @@ class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`: sampling fields apply to the text channel."""
 
     model: str
-    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     modalities: Annotated[list[Literal["text", "audio"]], Field(min_length=1)] = ["text"]
     audio: AudioOutput | None = None
     stream: bool = False

@@ -17,9 +17,18 @@ from deployments.schemas import ChatCompletionRequest, ChatMessageIn, InputAudio
 from runtime.prompts import READ_ALOUD_PROMPT
 from vocoder.speech_encoder import INPUT_SAMPLE_RATE
 
+# Commas, brackets and braces a body may hold (each of the body's text characters counts too, as text may be
+# commas): bounds the objects the parser builds. 8 MiB of `[],` is 2.8 million lists, ~0.7 s of the event loop.
+MAX_JSON_ITEMS = 1 << 16
 
-def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:
-    """JSON bytes -> schema instance; malformed JSON, non-objects and schema errors become 400s."""
+
+def parse_json_body(body: bytes, schema: type[BaseModel], max_input_chars: int = 0) -> Any:
+    """JSON bytes -> schema instance; malformed JSON, non-objects, schema errors and bodies of more than
+    `MAX_JSON_ITEMS` + `max_input_chars` commas, brackets and braces become 400s."""
+    items = body.count(b",") + body.count(b"[") + body.count(b"{")
+    if items > MAX_JSON_ITEMS + max_input_chars:
+        raise bad_request(f"request body holds {items} commas, brackets and braces; at most "
+                          f"{MAX_JSON_ITEMS + max_input_chars} are accepted", code="request_too_complex")
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -30,42 +39,22 @@ def parse_json_body(body: bytes, schema: type[BaseModel]) -> Any:
         raise bad_request(str(exc), code="invalid_value") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
-    where = _lone_surrogate(data)
-    if where is not None:  # legal JSON (a "\\ud83d" escape), but no text: the tokenizer cannot take it
-        raise bad_request(f"{where or 'a key'}: text holds a lone UTF-16 surrogate (half of an escaped pair)",
-                          param=where or None, code="invalid_value")
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise ApiError.from_validation(exc) from None
 
 
-def _lone_surrogate(data: Any) -> str | None:
-    """The path (`messages.0.content`, as the schema errors name fields) of the first string, key or value,
-    that is not valid Unicode text ("" for a key at the top), or None. Iterative: bodies may nest as deep as
-    the parser allowed."""
-    todo: list[tuple[str, Any]] = [("", data)]
-    while todo:
-        path, value = todo.pop()
-        if isinstance(value, str):
-            if not _is_text(value):
-                return path
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not _is_text(key):
-                    return path
-                todo.append((f"{path}.{key}" if path else key, item))
-        elif isinstance(value, list):
-            todo.extend((f"{path}.{i}", item) for i, item in enumerate(value))
-    return None
-
-
-def _is_text(s: str) -> bool:
+def check_unicode(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode: a lone UTF-16 surrogate, legal JSON (a "\\ud83d" escape) that the
+    tokenizer cannot take. Only the text the model reads is checked (pydantic refuses such a string in some
+    fields but not in optional or union ones); fields the schema ignores are never walked: a body of millions of
+    ignored values held the event loop for seconds."""
     try:
-        s.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        return False
-    return True
+        raise bad_request(f"{param}: text holds a lone UTF-16 surrogate (half of an escaped pair)", param=param,
+                          code="invalid_value") from None
 
 
 def _reject_constant(name: str) -> Any:
@@ -118,13 +107,14 @@ class Limits:
 
 def speech_request(body: bytes, limits: Limits) -> tuple[SpeechRequest, dict[str, Any]]:
     """`POST /v1/audio/speech` body -> (parsed request, deployment request dict)."""
-    req = parse_json_body(body, SpeechRequest)
+    req = parse_json_body(body, SpeechRequest, limits.max_input_chars)
     limits.check_model(req.model)
     limits.check_text(req.input, "input")
     limits.check_voice(req.voice, "voice")
     system = READ_ALOUD_PROMPT if not req.instructions else f"{READ_ALOUD_PROMPT} {req.instructions}"
     if req.instructions:
         limits.check_text(req.instructions, "instructions")
+        check_unicode(req.instructions, "instructions")
     return req, {
         "request_id": f"speech-{uuid.uuid4().hex}",
         "messages": [("system", system), ("user", req.input)],
@@ -142,7 +132,7 @@ def chat_request(body: bytes, limits: Limits) -> tuple[ChatCompletionRequest, di
     `{"type": "text", "text": ...}` and `{"type": "audio", "samples": float32 16 kHz mono}` (the vocoder
     replica replaces the samples by codes). Speech is decoded here (CPU; the caller runs this off the event
     loop): the request's clips together may last `limits.max_input_audio_s`."""
-    req = parse_json_body(body, ChatCompletionRequest)
+    req = parse_json_body(body, ChatCompletionRequest, limits.max_input_chars)
     limits.check_model(req.model)
     messages: list[tuple[str, Any]] = []
     texts: list[str] = []
@@ -201,6 +191,7 @@ def _content_parts(message: ChatMessageIn, index: int) -> list[TextPart | InputA
     if message.content is None:
         return []
     if isinstance(message.content, str):
+        check_unicode(message.content, f"messages.{index}.content")
         return [TextPart(type="text", text=message.content)]
     parts: list[TextPart | InputAudioPart] = []
     for number, part in enumerate(message.content):
@@ -217,4 +208,6 @@ def _content_parts(message: ChatMessageIn, index: int) -> list[TextPart | InputA
             parts.append(schema.model_validate(part))
         except ValidationError as exc:
             raise ApiError.from_validation(exc, prefix=where) from None
+        if schema is TextPart:
+            check_unicode(parts[-1].text, f"{where}.text")
     return parts
