@@ -185,9 +185,11 @@ class Ingress:
 
     async def _within(self, awaitable: Any, deadline: float) -> Any:
         """`awaitable`'s result, awaited no longer than `stream_idle_timeout_s` nor past `deadline`
-        (TimeoutError)."""
+        (TimeoutError). `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` returns the result and drops
+        a cancel (the client's disconnect) that lands in the same loop iteration (CPython gh-86296)."""
         timeout = min(self._args.stream_idle_timeout_s, deadline - time.monotonic())
-        return await asyncio.wait_for(awaitable, timeout=max(timeout, 0.0))
+        async with asyncio.timeout(max(timeout, 0.0)):
+            return await awaitable
 
     async def _next(self, stream: Any, deadline: float) -> dict[str, Any]:
         """The next event, or an ApiError after the idle timeout or the request deadline."""

@@ -20,6 +20,7 @@ from deployments.streams import StreamPlan
 
 PCM = b"\x01\x00" * 4  # four samples
 HOLD = {"type": "hold"}  # a scripted stream reaching this waits until cancelled (a long prefill)
+GATE = {"type": "gate"}  # a scripted stream reaching this returns what the test sets on its `gate` future
 
 
 class ScriptedStream:
@@ -40,6 +41,10 @@ class ScriptedStream:
         if event is HOLD:
             self.holding.set()
             await asyncio.get_running_loop().create_future()  # until the task is cancelled
+        if event is GATE:
+            self.gate = asyncio.get_running_loop().create_future()
+            self.holding.set()
+            return await self.gate
         return event
 
     def cancel(self) -> None:
@@ -259,6 +264,27 @@ def test_a_handler_cancelled_by_a_disconnect_is_counted_once_as_499(path: str, p
     asyncio.run(main())
     assert stream.cancelled and ingress._num_active == 0
     assert (requests.calls, errors.calls) == ([{"route": route, "status": "499"}], [{"kind": "disconnect"}])
+
+
+def test_a_disconnect_in_the_loop_iteration_of_an_event_still_ends_the_request() -> None:
+    """The event arrives and the handler is cancelled in one loop iteration. Python 3.11's `asyncio.wait_for`
+    returned the event and dropped the cancel, so a non-streamed chat read its stream to the end and kept the
+    engine's sequence and the vocoder's session all that time."""
+    rest = [{"type": "text", "text": "b"}, {"type": "done", "reason": "stop", "num_audio_codes": 0,
+                                           "num_prompt_tokens": 3, "num_cached_prompt_tokens": 0, "timeline": {}}]
+    ingress, stream, requests, errors = counted_ingress([{"type": "text", "text": "a"}, GATE, *rest])
+
+    async def main() -> None:
+        task = asyncio.ensure_future(ingress(post("/v1/chat/completions", CHAT)))
+        await stream.holding.wait()
+        stream.gate.set_result({"type": "text", "text": "c"})
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert stream.cancelled and ingress._num_active == 0 and stream.events == rest  # nothing read after it
+    assert (requests.calls, errors.calls) == ([{"route": "chat", "status": "499"}], [{"kind": "disconnect"}])
 
 
 def test_a_client_gone_during_the_upload_is_a_499_not_a_500() -> None:
