@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from deployments.errors import bad_request
-from vocoder.speech_encoder import INPUT_SAMPLE_RATE
+from vocoder.speech_encoder import INPUT_SAMPLE_RATE, MAX_SAMPLE_PEAK
 
 MIN_INPUT_SAMPLES = 1280  # one code's worth at 16 kHz (80 ms)
 MIN_SOURCE_RATE = 4000  # Hz; below it no speech is left to encode
@@ -73,6 +73,10 @@ def decode_input_audio(data: str, audio_format: str, *, param: str, max_seconds:
         raise bad_request("input audio holds non-finite samples", param=param, code="invalid_audio")
     if rate != INPUT_SAMPLE_RATE and mono.size:
         mono = soxr.resample(mono, rate, INPUT_SAMPLE_RATE, quality="HQ").astype(np.float32, copy=False)
+    peak = float(np.abs(mono).max()) if mono.size else 0.0  # after resampling: what the encoder will get
+    if peak > MAX_SAMPLE_PEAK:
+        raise bad_request(f"input audio peaks at {peak:.4g}; float samples must lie within +-{MAX_SAMPLE_PEAK:g} "
+                          "(full scale is 1)", param=param, code="invalid_audio")
     if mono.size < MIN_INPUT_SAMPLES:
         raise bad_request(f"input audio is {mono.size / INPUT_SAMPLE_RATE * 1000:.0f} ms long; at least "
                           f"{MIN_INPUT_SAMPLES / INPUT_SAMPLE_RATE * 1000:.0f} ms is needed", param=param,

@@ -44,6 +44,10 @@ from vocoder.config import NUM_AUDIO_CODES, resolve_dtype
 INPUT_SAMPLE_RATE = 16000
 N_FFT = 400
 MEL_HOP = 160  # samples per log-mel frame (100 per second)
+# Float samples are on [-1, 1]; peaks up to 16 (24 dB over full scale) are taken as they come. A louder clip is not
+# audio at float scale (int16 values as floats, a broken file), and from ~1e17 the power spectrum overflows and
+# every code comes out 0.
+MAX_SAMPLE_PEAK = 16.0
 # Name prefixes a checkpoint may put before the encoder's own names.
 CHECKPOINT_PREFIXES = ("model.encoder.", "encoder.")
 # Clips are padded to a multiple of this many frames after the convolutions (1.2 s; a multiple of the pooling,
@@ -243,9 +247,9 @@ class SpeechEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, audio: np.ndarray | torch.Tensor) -> list[int]:
         """Codes of a 16 kHz mono clip (float samples in [-1, 1]); `config.num_codes(len(audio))` of them,
-        each in 0..codebook_size-1. ValueError for a clip too short for one code, not one-dimensional, or holding a
-        NaN or infinite sample (its codes would be the nearest-code search's answer to NaN distances: code 0), and
-        for integer, boolean or complex samples (int16 PCM would be encoded at 32767 times its level)."""
+        each in 0..codebook_size-1. ValueError for a clip too short for one code or not one-dimensional; for a
+        NaN or infinite sample or one beyond +-MAX_SAMPLE_PEAK (the codes of NaN distances are all 0); and for
+        integer, boolean or complex samples (int16 PCM would be encoded at 32767 times its level)."""
         audio = torch.as_tensor(audio)
         if not audio.is_floating_point():
             raise ValueError(f"audio must hold float samples in [-1, 1], got dtype {audio.dtype}")
@@ -257,6 +261,10 @@ class SpeechEncoder(nn.Module):
                              f"(at least {MEL_HOP} samples at 16 kHz)")
         if not bool(torch.isfinite(audio).all()):
             raise ValueError(f"audio holds {int((~torch.isfinite(audio)).sum())} NaN or infinite sample(s)")
+        peak = float(audio.abs().max())
+        if peak > MAX_SAMPLE_PEAK:
+            raise ValueError(f"audio peaks at {peak:.4g}; float samples must lie within +-{MAX_SAMPLE_PEAK:g} "
+                             "(full scale is 1)")
         with torch.cuda.stream(self.stream):  # (None: a no-op, the caller's current stream)
             audio = audio.to(self.device)
             step = self.config.segment_samples

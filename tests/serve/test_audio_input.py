@@ -71,6 +71,10 @@ def test_an_mp3_clip_decodes() -> None:
     (audio_b64(tone(0.2, 16000, channels=9), 16000), "invalid_audio", "9 channels; at most 8 are taken"),
     (audio_b64(np.array([0.1, np.nan] * 8000, dtype=np.float32), 16000, subtype="FLOAT"), "invalid_audio",
      "non-finite samples"),
+    (audio_b64(np.array([0.1, 1e20] * 8000, dtype=np.float32), 16000, subtype="FLOAT"), "invalid_audio",
+     "input audio peaks at 1e+20; float samples must lie within +-16 (full scale is 1)"),
+    (audio_b64(np.array([0.1, -17.0] * 8000, dtype=np.float32), 16000, subtype="FLOAT"), "invalid_audio",
+     "input audio peaks at 17; float samples"),
 ])
 def test_bad_audio_is_a_400_naming_the_part(data: str, code: str, fragment: str) -> None:
     with pytest.raises(ApiError) as info:

@@ -129,6 +129,12 @@ def test_bad_clips_are_refused(encoder) -> None:
                            (np.zeros(2000, dtype=np.complex64), "torch.complex64"), ([0] * 2000, "torch.int64")]:
         with pytest.raises(ValueError, match=rf"^audio must hold float samples in \[-1, 1\], got dtype {dtype}$"):
             encoder.encode(samples)
+    loud = np.zeros(2000, dtype=np.float32)
+    loud[7] = -16.5  # 1e20 overflowed the power spectrum: all codes 0
+    with pytest.raises(ValueError, match=r"^audio peaks at 16.5; float samples must lie within \+-16 \(full scale is 1\)$"):
+        encoder.encode(loud)
+    loud[7] = -16.0  # at the bound: taken as it is
+    assert len(encoder.encode(loud)) == 2
     float32 = encoder.encode(np.zeros(2000, dtype=np.float32))
     assert len(float32) == encoder.config.num_codes(2000) == 2
     assert encoder.encode(np.zeros(2000, dtype=np.float64)) == encoder.encode([0.0] * 2000) == float32
