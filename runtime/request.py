@@ -90,6 +90,9 @@ def validate_request(request: GenerationRequest, vocab_size: int, audio_vocab_si
         isinstance(request.seed, bool) or not isinstance(request.seed, int) or not 0 <= request.seed < 2**64
     ):
         raise InvalidRequestError(f"seed must be None or an integer in [0, 2**64), got {request.seed!r}")
+    for name in ("text_sampling", "audio_sampling"):
+        if not isinstance(getattr(request, name), SamplingParams):
+            raise InvalidRequestError(f"{name} must be a SamplingParams, got {type(getattr(request, name)).__name__}")
     if not request.prompt_rows:
         raise InvalidRequestError("prompt_rows must not be empty")
     for i, row in enumerate(request.prompt_rows):

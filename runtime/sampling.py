@@ -35,6 +35,7 @@ launches and host-to-device copies per step whatever the batch size:
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,6 +76,12 @@ MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
+def _is_number(value: object, kind: type) -> bool:
+    """`value` is a `kind` (numbers.Real, numbers.Integral; numpy's count) and not a bool, which would pass as 0 or 1
+    (top_k=True: greedy)."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one channel (text or audio); defaults are upstream's; temperature 0 = greedy.
@@ -92,16 +99,12 @@ class SamplingParams:
         """Raise ValueError naming the field when a value is non-finite or out of range."""
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
-            try:
-                is_finite = math.isfinite(value)
-            except TypeError:
-                raise ValueError(f"{name} must be a number, got {value!r}") from None
-            if not is_finite:
+            if not _is_number(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
-        try:
-            operator.index(self.top_k)
-        except TypeError:
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}") from None
+        if not _is_number(self.top_k, numbers.Integral):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

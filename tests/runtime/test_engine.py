@@ -502,6 +502,10 @@ def test_typed_errors_at_admission(model: MossSpeechForCausalLM) -> None:
         core.add_request(GenerationRequest("a", ((1, 512), (1, 20000))))
     with pytest.raises(InvalidRequestError, match="temperature"):
         core.add_request(GenerationRequest("a", rows, SamplingParams(temperature=-1.0), max_new_tokens=4))
+    with pytest.raises(InvalidRequestError, match="^text_sampling must be a SamplingParams, got NoneType$"):
+        core.add_request(GenerationRequest("a", rows, None, max_new_tokens=4))
+    with pytest.raises(InvalidRequestError, match="^audio_sampling must be a SamplingParams, got dict$"):
+        core.add_request(GenerationRequest("a", rows, audio_sampling={"top_k": 5}, max_new_tokens=4))
     core.add_request(GenerationRequest("a", rows, max_new_tokens=4))
     with pytest.raises(InvalidRequestError, match="already in flight"):
         core.add_request(GenerationRequest("a", rows, max_new_tokens=4))

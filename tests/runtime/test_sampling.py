@@ -350,6 +350,10 @@ def test_bfloat16_logits_sample_as_their_float32_widening() -> None:
         ({"top_p": math.nan}, "top_p must be finite"),
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"top_k": True}, "top_k must be an integer, got True"),  # would be top-k 1: greedy
+        ({"temperature": True}, "temperature must be a number, got True"),
+        ({"top_p": False}, "top_p must be a number, got False"),
+        ({"repetition_penalty": True}, "repetition_penalty must be a number, got True"),
         ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 100\]"),
         ({"repetition_penalty": -1.1}, r"repetition_penalty must be in \[0.01, 100\]"),
         ({"repetition_penalty": 1e-40}, r"repetition_penalty must be in \[0.01, 100\]"),  # overflowed logits
