@@ -79,16 +79,28 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
     assert args.vocoder_max_batch_size == max(args.vocoder_warmup_rows) == captured_rows
 
 
-def test_bf16_24gb_config_scales_its_vocoder_on_lag_not_on_full_two_row_steps() -> None:
-    """At a cap of 2 rows every step of 2 or more streams is "full" (occupancy 1.0): the config's policy must
-    not call that hot, only a stream falling behind real time."""
+@pytest.mark.parametrize("source", ["serve-4090.yaml", "k8s"])
+def test_two_row_vocoders_scale_on_lag_alone_both_ways(source: str) -> None:
+    """At a cap of 2 rows a serving replica's occupancy is 0.5 (one stream a step) or 1.0: the policy must not
+    call full steps hot, and (with 0.5 as its low mark, until the fifty-first session) it could never call a
+    fleet with traffic on every replica quiet, so the k8s fleet kept up to 4 GPU workers' vocoders."""
     from deployments.autoscaling import VocoderPolicy
 
-    args = yaml_args("serve-4090.yaml")
+    if source == "k8s":
+        manifest = yaml.safe_load((CONFIG_DIR.parent / "k8s" / "rayservice.yaml").read_text())
+        args = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]
+    else:
+        args = yaml_args(source)
+    assert args["vocoder_max_batch_size"] == 2
     policy = VocoderPolicy(**args["vocoder_options"]["autoscaling_config"]["policy"]["policy_kwargs"])
     full = {"batch_occupancy": {"r1": 1.0}, "lag_s": {"r1": 0.0}}
-    assert policy.classify(full)[0] == "hold"
+    assert policy.classify(full)[0] == "quiet"
     assert policy.classify(full | {"lag_s": {"r1": 0.6}}) == ("hot", "lag_s 0.6 > 0.5")
+    light = {"batch_occupancy": dict.fromkeys("abcd", 0.5), "lag_s": dict.fromkeys("abcd", 0.05)}
+    assert policy.classify(light) == ("quiet", "all signals below low thresholds")
+    assert policy.classify(light | {"lag_s": dict.fromkeys("abcd", 0.2)}) == ("hold", "between thresholds")
+    with pytest.raises(ValueError, match="both numbers or both None"):
+        VocoderPolicy(occupancy_high=None)
 
 
 def test_the_vocoder_call_timeout_and_retry_after_reach_the_vocoder_replica() -> None:
