@@ -909,13 +909,18 @@ class Engine:
         return None
 
     async def shutdown(self) -> None:
-        """Stop the step thread; in-flight requests end with Finished("abort")."""
+        """Stop the step thread; in-flight requests end with Finished("abort"). Waits for a running step at most
+        `step_timeout_s`: past that the step is hung (`check_health`), and the thread (a daemon) is left to the
+        process's exit, so that a replica replaced for a hung step stops instead of holding its GPU share."""
         with self._lock:
             self._is_shut_down = True
             for request_id in list(self.core.scheduler.seqs):
                 self._deliver(self.core.abort(request_id))
         self._wakeup.set()
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join, self.config.step_timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the engine's step thread did not stop within step_timeout_s (%g s): a step is hung; "
+                           "leaving it to the process's exit", self.config.step_timeout_s)
 
     def _deliver(self, events: list[tuple[str, Event]]) -> None:
         """Hand events to their streams' loops (caller holds the lock)."""

@@ -898,6 +898,36 @@ def test_a_hung_step_makes_the_engine_unhealthy_until_it_ends(model: MossSpeechF
     assert end == Finished("length", 6, 3, 3, 0)
 
 
+def test_shutdown_does_not_wait_past_step_timeout_for_a_hung_step(model: MossSpeechForCausalLM) -> None:
+    """A replica replaced for a hung step runs `shutdown` (LLMServer.__del__): it used to join the step thread
+    without a bound, so the replica held its GPU share until Serve's graceful_shutdown_timeout_s (600 s)."""
+    rows = prompt(random.Random(18), 6, audio_out=True)
+    release, entered = threading.Event(), threading.Event()
+
+    async def main() -> tuple[bool, list[Event]]:
+        engine = Engine(model, Tokenizer.tiny(), engine_config(step_timeout_s=0.05))
+
+        def hang(inp: object) -> object:
+            entered.set()
+            release.wait(30)
+            raise RuntimeError("released")
+
+        engine.core.runner.forward = hang  # type: ignore[method-assign]
+        stream = engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.to_thread(entered.wait, 10)
+        await asyncio.wait_for(engine.shutdown(), timeout=10)  # the guard only: without the bound it waits 30 s
+        alive = engine._thread.is_alive()
+        events = [await first] + [e async for e in stream]
+        release.set()
+        await asyncio.to_thread(engine._thread.join, 10)
+        return alive, events
+
+    alive, events = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert alive  # shutdown returned while the step still hung
+    assert events == [Finished("abort", 6, 0, 0, 0)]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies
 def test_a_stopped_step_thread_ends_every_stream_and_the_engine_is_unhealthy(model: MossSpeechForCausalLM) -> None:
     rows = prompt(random.Random(17), 6, audio_out=True)
