@@ -192,8 +192,9 @@ class LLMServer:
             "kv_capacity_tokens": stats.num_blocks_total * config.block_size,
             "device_memory": memory_stats(config.device)}  # None off CUDA
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics (see deployments.autoscaling:llm_policy)."""
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (see deployments.autoscaling:llm_policy). Async: on the replica's loop,
+        where `generate` adds to the first-audio window (a sync one runs on Serve's thread pool)."""
         stats = self._engine.stats()
         usage = stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0
         return {"kv_cache_usage": float(usage), "num_waiting": float(stats.num_waiting),

@@ -95,8 +95,10 @@ class VocoderServer:
                 "batched_streams": self._batcher.num_streams, "num_steps": self._batcher.num_steps,
                 "device_memory": memory_stats(self._vocoder.device)}
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics (see deployments.autoscaling:vocoder_policy)."""
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (see deployments.autoscaling:vocoder_policy). Async: on the replica's loop,
+        where the batcher changes what it reads; Serve runs a sync one on a thread pool, where reading the
+        step window and the stream list raced with their changes (about 1 read in 3 failed in a tight loop)."""
         occupancy = self._batch_sizes.mean() / self._batcher.max_batch_size
         return {"batch_occupancy": float(min(1.0, occupancy)), "lag_s": float(self._batcher.lag_s())}
 

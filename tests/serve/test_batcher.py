@@ -627,8 +627,20 @@ def test_batch_occupancy_is_the_main_lanes() -> None:
     server = vocoder_server(ChunkVocoder(), LLMStream([]))
     for kind, streams in (("background", 8), ("fast-first", 1), ("urgent", 4), ("fast-urgent", 1), ("finish", 2)):
         server._on_step(kind, streams, 0.01)
-    assert server.record_autoscaling_stats()["batch_occupancy"] == (8 + 4) / 2 / 8
+    assert asyncio.run(server.record_autoscaling_stats())["batch_occupancy"] == (8 + 4) / 2 / 8
     assert server._metrics.batch_size.values == [8, 1, 4, 1]  # the histogram keeps every step's size
+
+
+def test_autoscaling_stats_are_read_on_the_replicas_event_loop() -> None:
+    """Ray Serve 2.60 runs a sync `record_autoscaling_stats` on a thread pool, beside the loop that adds to the
+    windows and stream lists it reads ("deque mutated during iteration"); an async one runs on that loop."""
+    import inspect
+
+    from deployments.llm_server import LLMServer
+    from deployments.vocoder_server import VocoderServer
+
+    assert inspect.iscoroutinefunction(LLMServer.record_autoscaling_stats)
+    assert inspect.iscoroutinefunction(VocoderServer.record_autoscaling_stats)
 
 
 def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -> None:
