@@ -287,6 +287,35 @@ def test_a_disconnect_in_the_loop_iteration_of_an_event_still_ends_the_request()
     assert (requests.calls, errors.calls) == ([{"route": "chat", "status": "499"}], [{"kind": "disconnect"}])
 
 
+def test_first_audio_and_the_real_time_factor_count_from_arrival_with_the_upload() -> None:
+    """docs/metrics.md: both histograms start at the request's arrival. They started after the body was read
+    and checked, so a slow upload or a long clip's decoding did not count."""
+    ingress, _, requests, errors = counted_ingress([
+        {"type": "audio", "pcm": PCM * 6000},  # 24000 samples: 1 s of audio
+        {"type": "done", "reason": "stop", "num_audio_codes": 13, "num_prompt_tokens": 3,
+         "num_cached_prompt_tokens": 0, "timeline": {}}])
+    first_audio, factors = [], []
+    ingress._metrics.time_to_first_audio = SimpleNamespace(observe=lambda value, tags=None: first_audio.append(value))
+    ingress._metrics.realtime_factor = SimpleNamespace(observe=lambda value, tags=None: factors.append(value))
+    body = json.dumps(SPEECH | {"response_format": "pcm"}).encode()
+    parts = [{"type": "http.request", "body": body[:10], "more_body": True},
+             {"type": "http.request", "body": body[10:], "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if len(parts) == 1:
+            await asyncio.sleep(0.3)  # the rest of the upload comes 0.3 s later
+        return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+    async def main() -> bytes:
+        response = await ingress(_post_raw("/v1/audio/speech", receive))
+        return b"".join([chunk async for chunk in response.body_iterator])
+
+    assert asyncio.run(main()) == PCM * 6000
+    assert len(first_audio) == len(factors) == 1
+    assert first_audio[0] >= 0.3 and factors[0] >= 0.3  # 1 s of audio: the factor is seconds taken
+    assert (requests.calls, errors.calls) == ([{"route": "speech", "status": "200"}], [])
+
+
 def test_a_client_gone_during_the_upload_is_a_499_not_a_500() -> None:
     ingress, stream, requests, errors = counted_ingress([])
     parts = [{"type": "http.request", "body": b'{"model": "moss', "more_body": True}, {"type": "http.disconnect"}]
