@@ -834,9 +834,7 @@ class Engine:
             raise ValueError(f"eager_codes and codes_batch_s must be >= 0, got {eager_codes}, {codes_batch_s}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if self._is_shut_down:
-                raise EngineError("the engine is shut down")
-            reason = self._unhealthy_reason()
+            reason = self._unhealthy_reason()  # a shut-down engine too: a retryable 503 at the edge, not a 500
             if reason is not None:
                 raise EngineUnhealthyError(f"the engine cannot serve: {reason}")
             if request.request_id in self._streams:

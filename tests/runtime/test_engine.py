@@ -898,6 +898,20 @@ def test_a_hung_step_makes_the_engine_unhealthy_until_it_ends(model: MossSpeechF
     assert end == Finished("length", 6, 3, 3, 0)
 
 
+def test_a_request_to_a_shut_down_engine_is_refused_as_unhealthy(model: MossSpeechForCausalLM) -> None:
+    """EngineUnhealthyError is the edge's retryable 503 (another replica serves); a plain EngineError was a 500."""
+    rows = prompt(random.Random(19), 6, audio_out=True)
+
+    async def main() -> str:
+        engine = Engine(model, Tokenizer.tiny(), engine_config())
+        await engine.shutdown()
+        with pytest.raises(EngineUnhealthyError) as refused:
+            await anext(engine.generate(GenerationRequest("a", rows, GREEDY, GREEDY, max_new_tokens=3)))
+        return str(refused.value)
+
+    assert asyncio.run(main()) == "the engine cannot serve: the engine is shut down"
+
+
 def test_shutdown_does_not_wait_past_step_timeout_for_a_hung_step(model: MossSpeechForCausalLM) -> None:
     """A replica replaced for a hung step runs `shutdown` (LLMServer.__del__): it used to join the step thread
     without a bound, so the replica held its GPU share until Serve's graceful_shutdown_timeout_s (600 s)."""
