@@ -46,7 +46,7 @@ from bench.measure import (  # the repo root is on sys.path now
     speech_prompt_text,
     summarize,
 )
-from deployments.batcher import END, VocoderBatcher  # pure asyncio: no Ray import
+from deployments.batcher import END, VocoderBatcher, VocoderStepError  # pure asyncio: no Ray import
 
 _ids = itertools.count()
 
@@ -95,13 +95,24 @@ class Pipeline:
                                 **question.options)
 
     async def run_request(self, request: Any) -> RequestResult:
-        """Generate and vocode one request (a SpeechQuestion is encoded first, inside the timing); engine
-        refusals become a failed result."""
-        from runtime.errors import EngineOverloadedError, InvalidRequestError
-        from runtime.request import AudioCodes, Finished
+        """Generate and vocode one request (a SpeechQuestion is encoded first, inside the timing); an engine
+        refusal or failure, a vocoder step that failed or a session that did not open is a failed result,
+        counted with the others, as the server's error statuses are over HTTP."""
+        from runtime.errors import EngineOverloadedError, EngineUnhealthyError, InvalidRequestError
 
         result = RequestResult(request_id=request.request_id)
         started = time.perf_counter()
+        try:
+            return await self._run_request(request, result, started)
+        except Exception as exc:  # noqa: BLE001 - a failed request, not a failed run
+            statuses = {InvalidRequestError: 400, EngineOverloadedError: 503, EngineUnhealthyError: 503}
+            result.status = next((code for kind, code in statuses.items() if isinstance(exc, kind)), 500)
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+
+    async def _run_request(self, request: Any, result: RequestResult, started: float) -> RequestResult:
+        from runtime.request import AudioCodes, Finished
+
         timeline = AudioTimeline(started, result)
         if isinstance(request, SpeechQuestion):
             request = await self.encode(request)
@@ -121,17 +132,19 @@ class Pipeline:
                 self.batcher.end(stream)
 
         reader = asyncio.get_running_loop().create_task(read_engine())
-        while (item := await stream.out.get()) is not END:
-            timeline.add(time.perf_counter(), len(item))
-        timeline.finish(time.perf_counter())
         try:
-            await reader
-        except InvalidRequestError as exc:
-            result.status, result.error = 400, f"{type(exc).__name__}: {exc}"
-            return result
-        except EngineOverloadedError as exc:
-            result.status, result.error = 503, f"{type(exc).__name__}: {exc}"
-            return result
+            while (item := await stream.out.get()) is not END:
+                if isinstance(item, VocoderStepError):  # the batcher closed the stream; nothing more comes
+                    raise item
+                timeline.add(time.perf_counter(), len(item))
+        finally:
+            if not reader.done():  # the vocoder failed: the engine's request is aborted, not left running
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+            if not stream.is_closed:
+                self.batcher.close(stream)
+        timeline.finish(time.perf_counter())
+        await reader  # an engine refusal or failure raises here
         end = finished[0]
         result.status = 200 if end.reason in ("stop", "length") else 500
         result.error = None if result.status == 200 else f"finished with {end.reason}: {end.error}"

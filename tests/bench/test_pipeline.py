@@ -52,6 +52,41 @@ def test_tiny_pipeline_yields_exactly_the_codes_as_pcm_and_times_them_after_the_
     assert (summary["num_ok"], summary["num_audio_codes_seen"], summary["first_codes_s"]["count"]) == (3, [CODES], 3)
 
 
+def test_a_failed_vocoder_step_is_a_failed_request_and_frees_what_it_held() -> None:
+    """The batcher puts a VocoderStepError on the queues of the streams a failed step carried; the pipeline read
+    it as PCM (a TypeError that ended the whole level)."""
+    args = parse_args(["--preset", "tiny", "--device", "cpu", "--kv-cache-bytes", str(16 * 2**20),
+                       "--max-num-running", "4"])
+
+    async def go() -> tuple[list, int, int, int]:
+        pipeline, _ = build(args)
+        step, calls = pipeline.batcher.vocoder.step, []
+
+        def third_fails(*a: object, **k: object) -> object:
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected")
+            return step(*a, **k)
+
+        pipeline.batcher.vocoder.step = third_fails
+        try:
+            def make() -> object:
+                return pipeline.request("Hi there", max_new_tokens=CODES, min_new_tokens=CODES, seed=1,
+                                        temperature=None)
+            results, _ = await pipeline.closed_loop(make, 2, 4)
+            used = pipeline.engine.stats().num_blocks_used
+            return results, used, len(pipeline.engine._streams), pipeline.batcher.num_open_sessions
+        finally:
+            await pipeline.batcher.shutdown()
+            await pipeline.engine.shutdown()
+
+    results, used, tracked, sessions = asyncio.run(go())
+    outcomes = [(r.status, r.error) for r in results]
+    assert len(outcomes) == 4 and (500, "VocoderStepError: vocoder step failed: RuntimeError('injected')") in outcomes
+    assert set(outcomes) <= {(200, None), (500, "VocoderStepError: vocoder step failed: RuntimeError('injected')")}
+    assert (used, tracked, sessions) == (0, 0, 0)
+
+
 def test_closed_loop_ramp_staggers_the_workers_first_requests() -> None:
     """With ramp_s, worker k waits k * ramp_s / workers before its first request (a recorded sleep)."""
     async def go(concurrency: int, num_requests: int, ramp_s: float) -> tuple[list[float], list[str]]:
