@@ -59,6 +59,8 @@ from deployments.timeline import first_audio_stages
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPEECH_PATH = "/v1/audio/speech"
 CHAT_PATH = "/v1/chat/completions"
+# vocoder.SAMPLES_PER_CODE (24 kHz at 12.5 codes a second); not imported, so the load tools stay free of torch
+SAMPLES_PER_CODE = 1920
 INPUT_SAMPLE_RATE = 16000  # the WAVs of --speech-input-s (vocoder.speech_encoder's; not imported: no torch here)
 REQUEST_ID_HEADERS = ("x-moss-request-id", "x-request-id")
 # Prompt variants of this process's requests, from a random start: two client processes against one
@@ -92,6 +94,12 @@ class AudioStream:
         total = self._carry + len(data)
         self._carry = total % BYTES_PER_SAMPLE
         return total // BYTES_PER_SAMPLE
+
+    def incomplete(self) -> str | None:
+        """Why the stream, now ended, is not whole PCM16 audio (None: it is)."""
+        if self._in_header:
+            return "the stream ended inside the WAV header"
+        return f"the stream ended {self._carry} byte into a sample" if self._carry else None
 
     def _parse_header(self) -> bytes:
         """Consume RIFF/WAVE chunks up to `data`; return the audio bytes after it (b"" if incomplete)."""
@@ -130,28 +138,44 @@ class ChatAudioStream:
     def __init__(self) -> None:
         self._buffer = b""
         self.error: str | None = None
+        self.done = False  # `[DONE]` seen: the stream ended as the server ends every chat stream
 
     def feed(self, data: bytes) -> int:
         """Samples of audio that the complete events in `data` (with what came before) carry."""
         chunks, self._buffer = sse_payloads(self._buffer + data)
         samples = 0
         for chunk in chunks:
-            if "error" in chunk:
+            if chunk is None:
+                self.done = True
+            elif "error" in chunk:
                 self.error = self.error or f"error event: {chunk['error'].get('message')}"
-                continue
-            for choice in chunk.get("choices", ()):
-                audio = (choice.get("delta") or {}).get("audio") or {}
-                if audio.get("data"):
-                    samples += len(base64.b64decode(audio["data"])) // BYTES_PER_SAMPLE
+            else:
+                for choice in chunk.get("choices", ()):
+                    audio = (choice.get("delta") or {}).get("audio") or {}
+                    if audio.get("data"):
+                        samples += pcm16_samples(audio["data"])
         return samples
 
+    def incomplete(self) -> str | None:
+        """Why the stream, now ended, is cut short (None: it is not)."""
+        return None if self.done else "the stream ended without [DONE]"
 
-def sse_payloads(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
-    """The JSON `data:` payloads of the complete server-sent events in `buffer` (`[DONE]` skipped), and the
+
+def sse_payloads(buffer: bytes) -> tuple[list[dict[str, Any] | None], bytes]:
+    """The JSON `data:` payloads of the complete server-sent events in `buffer` (None for `[DONE]`), and the
     bytes of the incomplete event after them."""
     *events, rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-    return [json.loads(line[5:]) for event in events for line in event.split(b"\n")
-            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"], rest
+    return [None if line[5:].strip() == b"[DONE]" else json.loads(line[5:]) for event in events
+            for line in event.split(b"\n") if line.startswith(b"data:")], rest
+
+
+def pcm16_samples(data: str) -> int:
+    """Samples of one base64 PCM16 delta; ValueError for an odd number of bytes (every later sample of the
+    stream would be misaligned)."""
+    pcm = base64.b64decode(data)
+    if len(pcm) % BYTES_PER_SAMPLE:
+        raise ValueError(f"an audio delta of {len(pcm)} bytes is not whole PCM16 samples")
+    return len(pcm) // BYTES_PER_SAMPLE
 
 
 def question_wav(seconds: float, variant: int) -> str:
@@ -188,6 +212,15 @@ class SpeechLoad:
     @property
     def path(self) -> str:
         return CHAT_PATH if self.speech_input_s else SPEECH_PATH
+
+    def short_by(self, num_samples: int) -> str | None:
+        """Why a speech response of `num_samples` is not what a fixed length (min = max new tokens, every one an
+        audio code) must give, or None; a chat's audio length is not fixed by its token budget."""
+        if self.speech_input_s or self.max_new_tokens is None or self.min_new_tokens != self.max_new_tokens:
+            return None
+        expected = self.max_new_tokens * SAMPLES_PER_CODE
+        return None if num_samples == expected else (
+            f"{num_samples} samples received; {self.max_new_tokens} codes are {expected}")
 
     def payload(self) -> dict[str, Any]:
         """The JSON body of one request."""
@@ -254,30 +287,35 @@ async def run_request(client: httpx.AsyncClient, load: SpeechLoad) -> RequestRes
     sent_at = time.time()  # wall clock, to place the server's timeline marks
     timeline = AudioTimeline(started, result)
     audio = ChatAudioStream() if load.speech_input_s else AudioStream(load.response_format)
+    ended = False
     try:
-        # the whole request, not each read: a server trickling bytes would otherwise keep it alive for ever
-        async with asyncio.timeout(load.timeout_s), client.stream(
-                "POST", load.url + load.path, json=body, timeout=httpx.Timeout(load.timeout_s, connect=10.0),
-        ) as response:
-            result.status = response.status_code
-            result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
-                                      if h in response.headers), None)
-            if response.status_code != 200:
-                text = (await response.aread()).decode("utf-8", "replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
-            else:
-                async for data in response.aiter_raw():
-                    timeline.add(time.perf_counter(), audio.feed(data))
-                result.error = audio.error  # a chat's error event after its 200
-        timeline.finish(time.perf_counter())
-        if result.status == 200 and load.server_summary and result.request_id:
-            await _add_server_summary(client, load, result, sent_at)
+        # the whole request (its server summary included), not each read: a server trickling bytes would
+        # otherwise keep it alive for ever
+        async with asyncio.timeout(load.timeout_s):
+            async with client.stream("POST", load.url + load.path, json=body,
+                                     timeout=httpx.Timeout(load.timeout_s, connect=10.0)) as response:
+                result.status = response.status_code
+                result.request_id = next((response.headers[h] for h in REQUEST_ID_HEADERS
+                                          if h in response.headers), None)
+                if response.status_code != 200:
+                    text = (await response.aread()).decode("utf-8", "replace")
+                    result.error = f"HTTP {response.status_code}: {text[:200]}"
+                else:
+                    async for data in response.aiter_raw():
+                        timeline.add(time.perf_counter(), audio.feed(data))
+                    # a chat's error event after its 200, else a stream cut short (raw audio can only stop
+                    # short when the server fails)
+                    result.error = audio.error or audio.incomplete() or load.short_by(result.num_samples)
+            timeline.finish(time.perf_counter())
+            ended = True
+            if result.status == 200 and load.server_summary and result.request_id:
+                await _add_server_summary(client, load, result, sent_at)
     except (httpx.HTTPError, WavFormatError, ValueError) as exc:  # ValueError: an event that is not JSON
-        timeline.finish(time.perf_counter())
         result.error = f"{type(exc).__name__}: {exc}"
     except TimeoutError:
-        timeline.finish(time.perf_counter())
         result.error = f"timed out after {load.timeout_s:g} s"
+    if not ended:  # the response ended with the exception
+        timeline.finish(time.perf_counter())
     return result
 
 

@@ -306,7 +306,8 @@ def _error_key(result: RequestResult) -> str:
 
 def requests_per_level(levels: Sequence[int], requests: str | None) -> list[int]:
     """Measured requests at each concurrency level: one number for all, a comma list (one per level),
-    or None for max(8, 2 x concurrency)."""
+    or None for max(8, 2 x concurrency). Fewer requests than a level's concurrency is refused: the level would
+    run only as many workers as requests, under the concurrency's label."""
     if requests is None:
         return [max(8, 2 * c) for c in levels]
     counts = [int(n) for n in requests.split(",") if n.strip()]
@@ -314,6 +315,10 @@ def requests_per_level(levels: Sequence[int], requests: str | None) -> list[int]
         counts = counts * len(levels)
     if len(counts) != len(levels) or min(counts) < 1:
         raise ValueError(f"--requests {requests!r} must be one count >= 1 or one per level {list(levels)}")
+    short = [(c, n) for c, n in zip(levels, counts, strict=True) if n < c]
+    if short:
+        raise ValueError(f"--requests {requests!r}: concurrency {short[0][0]} needs at least {short[0][0]} "
+                         f"requests, got {short[0][1]}")
     return counts
 
 

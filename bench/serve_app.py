@@ -67,7 +67,8 @@ def direct_ingress_url(first_port: int, timeout_s: float = 60.0) -> str:
         for port in range(first_port, first_port + DIRECT_PORTS):
             url = f"http://127.0.0.1:{port}"
             try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                # trust_env=False: an HTTP_PROXY in the environment would take the probe off loopback
+                if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
                     return url
             except httpx.HTTPError:
                 continue

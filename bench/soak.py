@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import random
@@ -51,17 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.client import (  # the repo root is on sys.path now
     CHAT_PATH,
+    SAMPLES_PER_CODE,
     SPEECH_PATH,
     AudioStream,
     ChatAudioStream,
     check_url,
+    pcm16_samples,
     question_wav,
     sse_payloads,
 )
-from bench.measure import BYTES_PER_SAMPLE
 
-# vocoder.SAMPLES_PER_CODE (24 kHz at 12.5 codes a second); not imported, so the load tools stay free of torch
-SAMPLES_PER_CODE = 1920
 MIX = {"speech": 5, "chat_audio": 2, "chat_text": 1, "speech_input": 1, "disconnect_mid": 2,
        "disconnect_early": 1, "bad": 2}
 LONG_CODES = 2000  # a disconnected request's length: it is never meant to end on its own
@@ -143,8 +141,10 @@ class Soak:
                 "stream_format": "sse" if form == "sse" else "audio", "seed": self.rng.randrange(1000)}
         audio = SpeechSse() if form == "sse" else AudioStream(body["response_format"])
         request_id, samples = await self._stream(SPEECH_PATH, body, audio.feed)
+        if problem := audio.incomplete():
+            raise Checked(f"{request_id}: {problem}")
         if form == "sse" and audio.done_codes != n:
-            raise Checked(f"{request_id}: speech.audio.done missing or wrong: {audio.done_codes}")
+            raise Checked(f"{request_id}: speech.audio.done reports {audio.done_codes} codes, expected {n}")
         await self._finished(request_id, samples, n)
 
     async def _audio_chat(self, content: str | list[dict[str, Any]], max_tokens: int, min_codes: int) -> None:
@@ -154,8 +154,8 @@ class Soak:
                 "min_new_tokens": min_codes, "messages": [{"role": "user", "content": content}]}
         audio = ChatAudioStream()
         request_id, samples = await self._stream(CHAT_PATH, body, audio.feed)
-        if audio.error:
-            raise Checked(f"{request_id}: {audio.error}")
+        if problem := audio.error or audio.incomplete():
+            raise Checked(f"{request_id}: {problem}")
         await self._finished(request_id, samples, None)
 
     async def chat_audio(self) -> None:
@@ -251,11 +251,17 @@ class SpeechSse:
         payloads, self._buffer = sse_payloads(self._buffer + data)
         samples = 0
         for payload in payloads:
+            if payload is None:  # `[DONE]`: not sent on this route
+                raise ValueError("a [DONE] event in a speech stream")
             if payload["type"] == "speech.audio.delta":
-                samples += len(base64.b64decode(payload["audio"])) // BYTES_PER_SAMPLE
+                samples += pcm16_samples(payload["audio"])
             elif payload["type"] == "speech.audio.done":
                 self.done_codes = payload["usage"]["audio_codes"]
         return samples
+
+    def incomplete(self) -> str | None:
+        """Why the stream, now ended, is cut short (None: it is not)."""
+        return None if self.done_codes is not None else "the stream ended without speech.audio.done"
 
 
 def replica_rss(app: str, session_dir: str | None = None, proc_root: Path = Path("/proc")) -> dict[str, int]:

@@ -164,10 +164,13 @@ def test_a_listeners_wait_counts_from_the_end_of_the_response() -> None:
 
 def test_requests_per_level_accepts_one_count_or_one_per_level() -> None:
     assert requests_per_level([1, 8, 64], None) == [8, 16, 128]
-    assert requests_per_level([1, 8], "5") == [5, 5]
+    assert requests_per_level([1, 4], "5") == [5, 5]
     assert requests_per_level([1, 8], "4,16") == [4, 16]
     with pytest.raises(ValueError, match="one per level"):
         requests_per_level([1, 8, 64], "4,16")
+    # 8 requests at 64 ran 8 workers under the label 64
+    with pytest.raises(ValueError, match="^--requests '8': concurrency 64 needs at least 64 requests, got 8$"):
+        requests_per_level([1, 64], "8")
 
 
 def test_h200_config_is_valid_fits_one_gpu_and_feeds_the_pipeline_the_same_settings() -> None:

@@ -22,6 +22,17 @@ def test_speech_sse_counts_samples_across_split_reads_and_reads_the_done_codes()
     assert reader.done_codes is None
     assert reader.feed(body[cut:]) == 1920
     assert reader.done_codes == 2  # the audio codes, not the tokens
+    assert reader.incomplete() is None
+    assert SpeechSse().incomplete() == "the stream ended without speech.audio.done"
+
+
+def test_speech_sse_refuses_a_delta_of_an_odd_number_of_bytes() -> None:
+    """A stray byte in one delta misaligns every later sample; the count rounded it away and the soak passed."""
+    import pytest
+
+    odd = sse({"type": "speech.audio.delta", "audio": base64.b64encode(b"\0" * 3841).decode()})
+    with pytest.raises(ValueError, match="^an audio delta of 3841 bytes is not whole PCM16 samples$"):
+        SpeechSse().feed(odd)
 
 
 def stats(**changes: int) -> dict:

@@ -228,6 +228,46 @@ def test_the_request_timeout_bounds_the_whole_request_not_each_read() -> None:
     assert result.status == 200 and result.error == "timed out after 0.8 s"
 
 
+def test_the_request_timeout_covers_the_server_summary() -> None:
+    """The summary's GET used httpx's per-read timeout only: one trickled byte every 0.2 s kept the request (and
+    the run) going past `timeout_s`."""
+    def reply(request: bytes) -> list[tuple[bytes, float]]:
+        if request.startswith(b"POST"):
+            return [(b"HTTP/1.1 200 OK\r\nx-moss-request-id: abc\r\ncontent-length: 480\r\nconnection: close\r\n\r\n"
+                     + b"\0" * 480, 0.0)]
+        return [(b"HTTP/1.1 200 OK\r\ncontent-length: 40\r\nconnection: close\r\n\r\n", 0.2)] + [(b" ", 0.2)] * 40
+
+    result = _run_one(SpeechLoad(url=_ScriptedServer(reply).url, server_summary=True, timeout_s=1.0))
+    assert result.status == 200 and result.error == "timed out after 1 s"
+    assert result.num_samples == 240  # the stream itself was read whole before the summary
+
+
+def test_a_stream_cut_short_is_a_failure_without_the_server_summary() -> None:
+    """Raw audio can only stop short when the server fails mid-way: with a fixed length the samples tell, as a
+    stray byte or a chat stream without `[DONE]` does; they all counted as successes."""
+    def pcm(num_bytes: int):
+        head = f"HTTP/1.1 200 OK\r\ncontent-length: {num_bytes}\r\nconnection: close\r\n\r\n".encode()
+        return lambda _: [(head + b"\0" * num_bytes, 0.0)]
+
+    fixed = {"max_new_tokens": 2, "min_new_tokens": 2}
+    assert _run_one(SpeechLoad(url=_ScriptedServer(pcm(2 * 3840)).url, **fixed)).error is None
+    assert _run_one(SpeechLoad(url=_ScriptedServer(pcm(3840)).url, **fixed)).error == (
+        "1920 samples received; 2 codes are 3840")
+    assert _run_one(SpeechLoad(url=_ScriptedServer(pcm(3841)).url)).error == (
+        "the stream ended 1 byte into a sample")
+    assert _run_one(SpeechLoad(url=_ScriptedServer(pcm(3840)).url, max_new_tokens=2)).error is None  # not fixed
+    chat = ChatAudioStream()
+    chat.feed(b'data: {"choices": []}\n\n')
+    assert chat.incomplete() == "the stream ended without [DONE]"
+    chat.feed(b"data: [DONE]\n\n")
+    assert chat.incomplete() is None and chat.done
+    wav = AudioStream("wav")
+    wav.feed(wav_header(24000)[:20])
+    assert wav.incomplete() == "the stream ended inside the WAV header"
+    with pytest.raises(ValueError, match="^an audio delta of 3 bytes is not whole PCM16 samples$"):
+        ChatAudioStream().feed(b'data: {"choices": [{"delta": {"audio": {"data": "AAAA"}}}]}\n\n')
+
+
 def test_a_server_summary_that_is_not_json_is_an_error_of_that_request_only() -> None:
     def reply(request: bytes) -> list[tuple[bytes, float]]:
         if request.startswith(b"POST"):
