@@ -188,25 +188,31 @@ class LLMPolicy(HysteresisPolicy):
 
 
 class VocoderPolicy(HysteresisPolicy):
-    """Vocoder deployment policy over ``batch_occupancy`` and ``lag_s``.
+    """Vocoder deployment policy over ``batch_occupancy``, ``busy_fraction`` and ``lag_s``.
 
-    policy_kwargs (all optional):
-      occupancy_high (0.85) / occupancy_low (0.5): fleet-mean batch occupancy (0..1); both None: not a signal.
-        A replica's occupancy is its mean rows per step over the vocoder's step cap, so one that serves
-        anything reports at least 1/cap: at a cap of 2 every serving replica reads 0.5 or more, and the
-        signal only says which replicas serve. Such a fleet scales on lag alone, both ways.
+    policy_kwargs (all optional; a pair of marks both None leaves that signal out):
+      occupancy_high (0.85) / occupancy_low (0.5): fleet-mean batch occupancy (0..1). A replica's occupancy is
+        its mean rows per step over the vocoder's step cap, so one that serves anything reports at least
+        1/cap: at a cap of 2 every serving replica reads 0.5 or more, and the signal only says which
+        replicas serve.
+      busy_high (None) / busy_low (None): fleet-mean share of the last 30 s the main lane spent in steps (0..1),
+        load at any step cap; projected onto the smaller fleet like occupancy.
       lag_high_s (0.5) / lag_low_s (0.1): worst replica's lag behind real time, seconds.
       upscale_cooldown_s (30), quiet_period_s (300), step (1): see the module docstring.
     """
 
     def __init__(self, *, occupancy_high: float | None = 0.85, occupancy_low: float | None = 0.5,
+                 busy_high: float | None = None, busy_low: float | None = None,
                  lag_high_s: float = 0.5, lag_low_s: float = 0.1,
                  upscale_cooldown_s: float = 30.0, quiet_period_s: float = 300.0, step: int = 1) -> None:
-        if (occupancy_high is None) != (occupancy_low is None):
-            raise ValueError("occupancy_high and occupancy_low are both numbers or both None (no occupancy signal)")
-        signals = [Signal("lag_s", "max", lag_high_s, lag_low_s, scales_with_load=False)]
-        if occupancy_high is not None:
-            signals.insert(0, Signal("batch_occupancy", "mean", occupancy_high, occupancy_low, scales_with_load=True))
+        signals = []
+        for metric, high, low in (("batch_occupancy", occupancy_high, occupancy_low),
+                                  ("busy_fraction", busy_high, busy_low)):
+            if (high is None) != (low is None):
+                raise ValueError(f"{metric}: its high and low marks are both numbers or both None (no signal)")
+            if high is not None:
+                signals.append(Signal(metric, "mean", high, low, scales_with_load=True))
+        signals.append(Signal("lag_s", "max", lag_high_s, lag_low_s, scales_with_load=False))
         super().__init__(signals, upscale_cooldown_s=upscale_cooldown_s, quiet_period_s=quiet_period_s, step=step)
 
 

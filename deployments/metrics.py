@@ -164,3 +164,7 @@ class RecentWindow:
         """The mean of the window, 0.0 when empty."""
         values = self._values(now)
         return sum(values) / len(values) if values else 0.0
+
+    def sum(self, now: float | None = None) -> float:
+        """The sum of the window (0.0 when empty)."""
+        return float(sum(self._values(now)))

@@ -17,18 +17,19 @@ from deployments.schemas import ChatCompletionRequest, ChatMessageIn, InputAudio
 from runtime.prompts import READ_ALOUD_PROMPT
 from vocoder.speech_encoder import INPUT_SAMPLE_RATE
 
-# Commas, brackets and braces a body may hold (each of the body's text characters counts too, as text may be
-# commas): bounds the objects the parser builds. 8 MiB of `[],` is 2.8 million lists, ~0.7 s of the event loop.
+# Commas, brackets and braces a body may hold besides its text's own (text may be commas): bounds the objects
+# the parser builds. 8 MiB of `[],` is 2.8 million lists, ~0.7 s of the event loop.
 MAX_JSON_ITEMS = 1 << 16
 
 
-def parse_json_body(body: bytes, schema: type[BaseModel], max_input_chars: int = 0) -> Any:
+def parse_json_body(body: bytes, schema: type[BaseModel], max_text_chars: int = 0) -> Any:
     """JSON bytes -> schema instance; malformed JSON, non-objects, schema errors and bodies of more than
-    `MAX_JSON_ITEMS` + `max_input_chars` commas, brackets and braces become 400s."""
-    items = body.count(b",") + body.count(b"[") + body.count(b"{")
-    if items > MAX_JSON_ITEMS + max_input_chars:
-        raise bad_request(f"request body holds {items} commas, brackets and braces; at most "
-                          f"{MAX_JSON_ITEMS + max_input_chars} are accepted", code="request_too_complex")
+    `MAX_JSON_ITEMS` + `max_text_chars` (the most text the request may carry) commas, brackets and braces
+    become 400s."""
+    items, limit = body.count(b",") + body.count(b"[") + body.count(b"{"), MAX_JSON_ITEMS + max_text_chars
+    if items > limit:
+        raise bad_request(f"request body holds {items} commas, brackets and braces; at most {limit} are accepted",
+                          code="request_too_complex")
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -107,9 +108,10 @@ class Limits:
 
 def speech_request(body: bytes, limits: Limits) -> tuple[SpeechRequest, dict[str, Any]]:
     """`POST /v1/audio/speech` body -> (parsed request, deployment request dict)."""
-    req = parse_json_body(body, SpeechRequest, limits.max_input_chars)
+    req = parse_json_body(body, SpeechRequest, 2 * limits.max_input_chars)  # input and instructions
     limits.check_model(req.model)
     limits.check_text(req.input, "input")
+    check_unicode(req.input, "input")  # pydantic refuses it first today; this does not depend on that
     limits.check_voice(req.voice, "voice")
     system = READ_ALOUD_PROMPT if not req.instructions else f"{READ_ALOUD_PROMPT} {req.instructions}"
     if req.instructions:

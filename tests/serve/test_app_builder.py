@@ -80,10 +80,12 @@ def test_24gb_configs_cap_both_replicas_and_freeze_the_vocoder_graphs(
 
 
 @pytest.mark.parametrize("source", ["serve-4090.yaml", "k8s"])
-def test_two_row_vocoders_scale_on_lag_alone_both_ways(source: str) -> None:
+def test_two_row_vocoders_scale_up_on_lag_and_down_on_their_busy_fraction(source: str) -> None:
     """At a cap of 2 rows a serving replica's occupancy is 0.5 (one stream a step) or 1.0: the policy must not
     call full steps hot, and (with 0.5 as its low mark, until the fifty-first session) it could never call a
-    fleet with traffic on every replica quiet, so the k8s fleet kept up to 4 GPU workers' vocoders."""
+    fleet with traffic on every replica quiet, so the k8s fleet kept up to 4 GPU workers' vocoders. Lag alone
+    would call any fleet quiet that keeps up, however loaded: the busy fraction, projected onto one replica
+    fewer, must stay under half."""
     from deployments.autoscaling import VocoderPolicy
 
     if source == "k8s":
@@ -93,14 +95,18 @@ def test_two_row_vocoders_scale_on_lag_alone_both_ways(source: str) -> None:
         args = yaml_args(source)
     assert args["vocoder_max_batch_size"] == 2
     policy = VocoderPolicy(**args["vocoder_options"]["autoscaling_config"]["policy"]["policy_kwargs"])
-    full = {"batch_occupancy": {"r1": 1.0}, "lag_s": {"r1": 0.0}}
-    assert policy.classify(full)[0] == "quiet"
+    full = {"batch_occupancy": {"r1": 1.0}, "busy_fraction": {"r1": 1.0}, "lag_s": {"r1": 0.0}}
+    assert policy.classify(full) == ("hold", "between thresholds")  # not hot: it keeps up
     assert policy.classify(full | {"lag_s": {"r1": 0.6}}) == ("hot", "lag_s 0.6 > 0.5")
-    light = {"batch_occupancy": dict.fromkeys("abcd", 0.5), "lag_s": dict.fromkeys("abcd", 0.05)}
-    assert policy.classify(light) == ("quiet", "all signals below low thresholds")
+    light = {"batch_occupancy": dict.fromkeys("abcd", 1.0), "busy_fraction": dict.fromkeys("abcd", 0.36),
+             "lag_s": dict.fromkeys("abcd", 0.05)}
+    assert policy.classify(light) == ("quiet", "all signals below low thresholds")  # 0.36 x 4/3 = 0.48
+    assert policy.classify(light | {"busy_fraction": dict.fromkeys("abcd", 0.4)}) == ("hold", "between thresholds")
     assert policy.classify(light | {"lag_s": dict.fromkeys("abcd", 0.2)}) == ("hold", "between thresholds")
-    with pytest.raises(ValueError, match="both numbers or both None"):
+    with pytest.raises(ValueError, match="^batch_occupancy: its high and low marks are both numbers or both None"):
         VocoderPolicy(occupancy_high=None)
+    with pytest.raises(ValueError, match="^busy_fraction: its high and low marks"):
+        VocoderPolicy(busy_low=0.5)
 
 
 def test_the_vocoder_call_timeout_and_retry_after_reach_the_vocoder_replica() -> None:

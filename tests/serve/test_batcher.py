@@ -595,6 +595,7 @@ def vocoder_server(vocoder: RecordingVocoder, llm_stream: LLMStream) -> object:
 
     server = Replica.__new__(Replica)
     server._llm, server._num_active, server._batch_sizes = llm, 0, RecentWindow(window_s=30.0)
+    server._main_lane_seconds = RecentWindow(window_s=30.0)
     server._metrics = type("Metrics", (), {"active_streams": Recorder(), "time_to_first_pcm": Recorder(),
                                            "step_seconds": Recorder(), "batch_size": Recorder()})()
     server._batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
@@ -627,7 +628,9 @@ def test_batch_occupancy_is_the_main_lanes() -> None:
     server = vocoder_server(ChunkVocoder(), LLMStream([]))
     for kind, streams in (("background", 8), ("fast-first", 1), ("urgent", 4), ("fast-urgent", 1), ("finish", 2)):
         server._on_step(kind, streams, 0.01)
-    assert asyncio.run(server.record_autoscaling_stats())["batch_occupancy"] == (8 + 4) / 2 / 8
+    stats = asyncio.run(server.record_autoscaling_stats())
+    assert stats["batch_occupancy"] == (8 + 4) / 2 / 8
+    assert stats["busy_fraction"] == pytest.approx(3 * 0.01 / 30)  # the main lane's 3 steps of 0.01 s in 30 s
     assert server._metrics.batch_size.values == [8, 1, 4, 1]  # the histogram keeps every step's size
 
 

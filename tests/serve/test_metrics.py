@@ -174,8 +174,9 @@ def test_record_autoscaling_stats_per_contract(http: httpx.Client) -> None:
     assert (llm_stats["kv_cache_usage"], llm_stats["num_waiting"], llm_stats["num_running"]) == (0.0, 0.0, 0.0)
     assert llm_stats["ttfa_p90_s"] > 0  # the request above produced audio within the window
     vocoder_stats = vocoder.record_autoscaling_stats.remote().result()
-    assert set(vocoder_stats) == {"batch_occupancy", "lag_s"}
+    assert set(vocoder_stats) == {"batch_occupancy", "busy_fraction", "lag_s"}
     assert 0 < vocoder_stats["batch_occupancy"] <= 1 and vocoder_stats["lag_s"] == 0.0
+    assert 0 < vocoder_stats["busy_fraction"] <= 1  # the request's steps ran within the last 30 s
 
 
 def test_llm_counters_grow_by_the_engine_totals_increase() -> None:

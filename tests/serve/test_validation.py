@@ -91,20 +91,26 @@ def test_bad_speech_input_is_a_4xx(body: bytes, status: int, param: str | None, 
 
 
 def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed() -> None:
-    """The bound is MAX_JSON_ITEMS plus max_input_chars (20 here) commas, brackets and braces, counted in the raw
-    bytes: 8 MiB of empty lists in an ignored field held the event loop for seconds when it was parsed and
-    walked. Fields the schema ignores are not read otherwise, so a lone surrogate in one is no error."""
+    """The bound is MAX_JSON_ITEMS plus the request's most text (max_input_chars, 20 here, for each of speech's
+    input and instructions) in commas, brackets and braces, counted in the raw bytes: 8 MiB of empty lists in
+    an ignored field held the event loop for seconds when it was parsed and walked. Fields the schema ignores
+    are not read otherwise, so a lone surrogate in one is no error."""
     from deployments.validation import MAX_JSON_ITEMS
 
     head = b'{"model": "moss-speech", "input": "a, b", "x": ['  # 5 counted, then 2 per "[]," and 1 for "[]]}"
-    fits = head + b"[]," * ((MAX_JSON_ITEMS + 20 - 6) // 2) + b"[]]}"
-    assert sum(map(fits.count, (b",", b"[", b"{"))) == MAX_JSON_ITEMS + 20
+    fits = head + b"[]," * ((MAX_JSON_ITEMS + 40 - 6) // 2) + b"[]]}"  # speech: input and instructions, 2 x 20
+    assert sum(map(fits.count, (b",", b"[", b"{"))) == MAX_JSON_ITEMS + 40
     assert speech_request(fits, LIMITS)[1]["messages"][1] == ("user", "a, b")
     over = fits.replace(b'"a, b"', b'"a,,b"')
     err = error_of(speech_request, over)
     assert (err.status, err.code, err.param) == (400, "request_too_complex", None)
-    assert err.message == (f"request body holds {MAX_JSON_ITEMS + 21} commas, brackets and braces; at most "
-                           f"{MAX_JSON_ITEMS + 20} are accepted")
+    assert err.message == (f"request body holds {MAX_JSON_ITEMS + 41} commas, brackets and braces; at most "
+                           f"{MAX_JSON_ITEMS + 40} are accepted")
+    # the most text a speech request may carry, all commas, with a limit above MAX_JSON_ITEMS
+    commas = speech(input="," * 70_000, instructions="," * 70_000)
+    wide = Limits(served_model_name="moss-speech", voices=["default"], max_input_chars=70_000,
+                  max_new_tokens_limit=100, default_max_new_tokens=50)
+    assert speech_request(commas, wide)[0].input == "," * 70_000
     assert error_of(chat_request, b'{"messages": [' + b"{}," * 40_000 + b"{}]}").code == "request_too_complex"
     ignored = b'{"model": "moss-speech", "input": "hi", "\\ud800": "\\udc00", "x": {"y": ["\\ud83d"]}}'
     assert speech_request(ignored, LIMITS)[1]["messages"][1] == ("user", "hi")
