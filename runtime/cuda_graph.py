@@ -238,13 +238,18 @@ class PrefillGraphRunner:
 
     def __init__(
         self, forward: FastForward, kv_cache: KVCache, *, max_model_len: int,
-        buckets: Sequence[int] | None = None, use_graphs: bool | None = None,
+        buckets: Sequence[int] | None = None, use_graphs: bool | None = None, max_chunk_rows: int | None = None,
     ) -> None:
-        """`buckets`: row counts to capture (None: DEFAULT_PREFILL_BUCKETS)."""
+        """`buckets`: row counts to capture (None: DEFAULT_PREFILL_BUCKETS), kept up to the most rows a chunk can
+        have, `max_model_len` or `max_chunk_rows` (the step budget), which becomes the top bucket where it falls
+        between two: a bucket beyond it would be captured as a sequence longer than the block table holds
+        (its kernel reads past the table), and never replayed."""
         self.forward = forward
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
-        self.buckets = sorted({int(b) for b in (DEFAULT_PREFILL_BUCKETS if buckets is None else buckets)})
+        wanted = {int(b) for b in (DEFAULT_PREFILL_BUCKETS if buckets is None else buckets)}
+        cap = min(max(wanted), max_model_len, max_chunk_rows or max_model_len)
+        self.buckets = sorted({b for b in wanted if b < cap} | {cap})
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.max_blocks = max_blocks_for(max_model_len, kv_cache.block_size)
         largest, dev = self.buckets[-1], self.device

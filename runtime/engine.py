@@ -282,7 +282,8 @@ def _step_memory_error(step: str, remedies: str, exc: BaseException) -> EngineMe
 def run_largest_step(runner: ModelRunner, config: EngineConfig) -> LargestStep | None:
     """`ModelRunner.run_largest_step` for these settings -> what ran (None: a budget under 2 rows has no
     multi-sequence step). Out of device memory -> EngineMemoryError with the remedies."""
-    rows = config.max_num_batched_tokens
+    # no sequence longer than max_model_len: a budget above max_num_running x max_model_len is never filled
+    rows = min(config.max_num_batched_tokens, config.max_num_running * config.max_model_len)
     seqs = min(config.max_num_running, rows // 2)
     if seqs < 1:
         return None
@@ -449,7 +450,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, kv_cache, fast_path=config.fast_path, max_model_len=config.max_model_len,
             max_num_running=config.max_num_running, weights=weights, audio_only_steps=config.audio_only_steps,
-            prefill_buckets=config.prefill_buckets,
+            prefill_buckets=config.prefill_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.largest_step: LargestStep | None = None  # the start-up run of the largest step (None: not run)
         if config.check_largest_step or (config.check_largest_step is None and device.type == "cuda"):

@@ -88,11 +88,13 @@ class ModelRunner:
         self, model: MossSpeechForCausalLM, kv_cache: KVCache, *, fast_path: bool = False,
         max_model_len: int = 4096, max_num_running: int = 64, weights: FusedWeights | None = None,
         audio_only_steps: bool = True, prefill_buckets: Sequence[int] | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """`weights`: the fast path's fused (possibly FP8) weights when the caller made them already.
         `audio_only_steps` (fast path): decode steps in which no row samples in text mode skip the text head
         and what only feeds it (`FastForward(text=False)`); the sampled rows are the same either way.
-        `prefill_buckets` (fast path on CUDA): the prefill graphs' row buckets (None: the runner's default)."""
+        `prefill_buckets` (fast path on CUDA): the prefill graphs' row buckets (None: the runner's default), kept up
+        to the largest chunk `max_model_len` and `max_num_batched_tokens` allow."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.k.device
@@ -115,7 +117,8 @@ class ModelRunner:
             self.graphs.capture()  # no-op off CUDA
             if self.device.type == "cuda":  # off CUDA the plain fast call is simpler than padding
                 self.prefill_graphs = PrefillGraphRunner(self.fast, kv_cache, max_model_len=max_model_len,
-                                                         buckets=prefill_buckets)
+                                                         buckets=prefill_buckets,
+                                                         max_chunk_rows=max_num_batched_tokens)
                 self.prefill_graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:

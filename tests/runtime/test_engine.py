@@ -258,6 +258,12 @@ def test_the_start_up_largest_step_runs_and_changes_no_row(fast_path: bool) -> N
         assert generated(seqs[request.request_id]) == reference_rows(plain, request)[0]
     off = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(), engine_config(check_largest_step=None))
     assert off.largest_step is None  # on CPU the default does not run it
+    # one sequence can hold at most max_model_len rows: the budget's 128 rows were one sequence of 128 over a
+    # block table of 64 tokens (on CUDA the prefill graphs refused it, and the engine did not start)
+    short = EngineCore(build_model(CONFIG, seed=0), Tokenizer.tiny(),
+                       engine_config(num_blocks=40, fast_path=fast_path, max_num_running=1, max_model_len=64,
+                                     max_num_batched_tokens=128, check_largest_step=True))
+    assert short.largest_step == engine_module.LargestStep(num_rows=64, num_seqs=1, free_reserved_bytes=None)
 
 
 def test_warmed_step_shapes_run_off_the_graphs_within_the_settings_and_change_no_row(

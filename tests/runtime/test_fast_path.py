@@ -226,12 +226,32 @@ def test_prefill_runner_pads_to_bucket_and_matches_plain(model: MossSpeechForCau
         assert not fast_cache.k[:, unused].any() and not fast_cache.v[:, unused].any()
 
 
+def test_prefill_buckets_stop_at_the_largest_chunk_and_capture_within_the_block_table(
+        model: MossSpeechForCausalLM) -> None:
+    """A bucket is captured as one sequence of its rows: beyond max_model_len its kernel read past the block
+    table (max_model_len 512 with the default buckets up to 2048), and beyond the step budget it was never
+    replayed but sized the graph pool. The largest chunk becomes the top bucket where it falls between two."""
+    cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
+    fast = FastForward(fuse_model_weights(model), TorchOps())
+    assert PrefillGraphRunner(fast, cache, max_model_len=600).buckets[-3:] == [448, 512, 600]
+    assert PrefillGraphRunner(fast, cache, max_model_len=4096, max_chunk_rows=512).buckets[-2:] == [448, 512]
+    assert PrefillGraphRunner(fast, cache, max_model_len=4096, max_chunk_rows=1000, buckets=(64, 384)).buckets == [
+        64, 384]
+    runner = PrefillGraphRunner(fast, cache, max_model_len=72, buckets=(32, 64, 128))
+    assert runner.buckets == [32, 64, 72] and runner.max_blocks == 18
+    for bucket in runner.buckets:  # what `capture` runs for each bucket (the eager call off CUDA)
+        runner.slot_mapping.fill_(-1)
+        runner._fill(bucket, bucket, bucket)
+        text, _ = runner.forward(runner._step(bucket), cache)
+        assert text.shape[0] == 2 and bool(torch.isfinite(text).all())
+
+
 def test_default_prefill_buckets_bound_the_padding(model: MossSpeechForCausalLM) -> None:
     """Every chunk of 1..2048 rows runs in the smallest default bucket that holds it, padded by at most
     63 rows or a quarter of its rows: 384 rows (a 512-token prompt past a 128-token cached prefix) no
     longer run as 512."""
     cache = allocate_kv_cache(CONFIG, 8, BLOCK_SIZE, "cpu", torch.float32)
-    runner = PrefillGraphRunner(FastForward(fuse_model_weights(model), TorchOps()), cache, max_model_len=16)
+    runner = PrefillGraphRunner(FastForward(fuse_model_weights(model), TorchOps()), cache, max_model_len=4096)
     assert runner.max_rows == 2048 and not runner.use_graphs
     assert [runner.bucket_for(n) for n in (1, 64, 65, 384, 385, 513, 1025, 2047, 2048)] == [
         64, 64, 128, 384, 448, 640, 1280, 2048, 2048]
