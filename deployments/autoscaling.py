@@ -195,8 +195,8 @@ class VocoderPolicy(HysteresisPolicy):
         its mean rows per step over the vocoder's step cap, so one that serves anything reports at least
         1/cap: at a cap of 2 every serving replica reads 0.5 or more, and the signal only says which
         replicas serve.
-      busy_high (None) / busy_low (None): fleet-mean share of the last 30 s the main lane spent in steps (0..1),
-        load at any step cap; projected onto the smaller fleet like occupancy.
+      busy_high (None) / busy_low (None): fleet-mean share of the last 30 s in which some vocoder call ran, on
+        any lane (0..1): load at any step cap; projected onto the smaller fleet like occupancy.
       lag_high_s (0.5) / lag_low_s (0.1): worst replica's lag behind real time, seconds.
       upscale_cooldown_s (30), quiet_period_s (300), step (1): see the module docstring.
     """

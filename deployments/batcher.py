@@ -53,6 +53,7 @@ import functools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -66,6 +67,7 @@ END = None  # put on a stream's queue after its last PCM chunk
 POLICIES = ("deadline", "fifo")
 YIELDS = ("off", "first_chunk", "newcomer")  # `background_yield` settings
 SIDE = -1  # `_call`'s lane key for `run`'s thread
+BUSY_WINDOW_S = 30.0  # `busy_fraction`'s window
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +177,11 @@ class VocoderBatcher:
         # began (monotonic, set in the worker thread)
         self.device_error: str | None = None
         self._busy_since: dict[int, float] = {}
+        # load: the spans (start, end) in which some vocoder call ran on any lane, counted on the loop
+        self._calls_running = 0
+        self._busy_from = 0.0
+        self._busy_spans: deque[tuple[float, float]] = deque()
+        self._created = time.monotonic()
 
     @property
     def num_streams(self) -> int:
@@ -198,7 +205,27 @@ class VocoderBatcher:
             finally:
                 del self._busy_since[lane]
 
-        return await asyncio.get_running_loop().run_in_executor(executor, timed)
+        self._calls_running += 1
+        if self._calls_running == 1:
+            self._busy_from = time.monotonic()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, timed)
+        finally:
+            self._calls_running -= 1
+            if not self._calls_running:
+                now = time.monotonic()
+                self._busy_spans.append((self._busy_from, now))
+                while self._busy_spans[0][1] < now - BUSY_WINDOW_S:
+                    self._busy_spans.popleft()
+
+    def busy_fraction(self, now: float | None = None) -> float:
+        """The share of the last BUSY_WINDOW_S (of the batcher's life while shorter) in which some vocoder call
+        ran, on any lane: the replica's load whatever its step cap. Two lanes at once count once."""
+        now = time.monotonic() if now is None else now
+        start = max(now - BUSY_WINDOW_S, self._created)
+        spans = [*self._busy_spans, *([(self._busy_from, now)] if self._calls_running else [])]
+        busy = sum(max(0.0, end - max(begin, start)) for begin, end in spans)
+        return min(1.0, busy / (now - start)) if now > start else 0.0
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on a worker thread of its own (one call at a time), beside the lanes' steps: other work on

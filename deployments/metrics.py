@@ -165,6 +165,4 @@ class RecentWindow:
         values = self._values(now)
         return sum(values) / len(values) if values else 0.0
 
-    def sum(self, now: float | None = None) -> float:
-        """The sum of the window (0.0 when empty)."""
-        return float(sum(self._values(now)))
+

@@ -61,7 +61,6 @@ class VocoderServer:
         self._retry_after_s = retry_after_s
         self._metrics = VocoderMetrics.create()
         self._batch_sizes = RecentWindow(window_s=30.0)
-        self._main_lane_seconds = RecentWindow(window_s=30.0)  # each main-lane step's seconds: its busy fraction
         self._batcher = VocoderBatcher(self._vocoder, max_batch_size=max_batch_size, sample_rate=SAMPLE_RATE,
                                        on_step=self._on_step, **batcher_options)
         self._codes_stream = {"eager_codes": self._vocoder.codes_for_two_chunks, "batch_s": codes_batch_s}
@@ -70,8 +69,6 @@ class VocoderServer:
 
     def _on_step(self, kind: str, num_streams: int, seconds: float) -> None:
         self._metrics.step_seconds.observe(seconds, tags={"kind": kind})
-        if not kind.startswith("fast-"):
-            self._main_lane_seconds.add(seconds)
         if kind != "finish":
             self._metrics.batch_size.observe(num_streams)
             if not kind.startswith("fast-"):
@@ -103,10 +100,8 @@ class VocoderServer:
         where the batcher changes what it reads; Serve runs a sync one on a thread pool, where reading the
         step window and the stream list raced with their changes (about 1 read in 3 failed in a tight loop)."""
         occupancy = self._batch_sizes.mean() / self._batcher.max_batch_size
-        # the main lane's steps run one at a time: the share of the window it spent in them (load, whatever
-        # the step cap; occupancy at a cap of 2 only says whether the replica serves)
-        busy = self._main_lane_seconds.sum() / self._main_lane_seconds.window_s
-        return {"batch_occupancy": float(min(1.0, occupancy)), "busy_fraction": float(min(1.0, busy)),
+        # load whatever the step cap (occupancy at a cap of 2 only says whether the replica serves)
+        return {"batch_occupancy": float(min(1.0, occupancy)), "busy_fraction": self._batcher.busy_fraction(),
                 "lag_s": float(self._batcher.lag_s())}
 
     def _set_active(self, delta: int) -> None:

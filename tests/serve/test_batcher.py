@@ -595,7 +595,6 @@ def vocoder_server(vocoder: RecordingVocoder, llm_stream: LLMStream) -> object:
 
     server = Replica.__new__(Replica)
     server._llm, server._num_active, server._batch_sizes = llm, 0, RecentWindow(window_s=30.0)
-    server._main_lane_seconds = RecentWindow(window_s=30.0)
     server._metrics = type("Metrics", (), {"active_streams": Recorder(), "time_to_first_pcm": Recorder(),
                                            "step_seconds": Recorder(), "batch_size": Recorder()})()
     server._batcher = VocoderBatcher(vocoder, max_batch_size=8, sample_rate=24000, policy="deadline")
@@ -628,9 +627,7 @@ def test_batch_occupancy_is_the_main_lanes() -> None:
     server = vocoder_server(ChunkVocoder(), LLMStream([]))
     for kind, streams in (("background", 8), ("fast-first", 1), ("urgent", 4), ("fast-urgent", 1), ("finish", 2)):
         server._on_step(kind, streams, 0.01)
-    stats = asyncio.run(server.record_autoscaling_stats())
-    assert stats["batch_occupancy"] == (8 + 4) / 2 / 8
-    assert stats["busy_fraction"] == pytest.approx(3 * 0.01 / 30)  # the main lane's 3 steps of 0.01 s in 30 s
+    assert asyncio.run(server.record_autoscaling_stats())["batch_occupancy"] == (8 + 4) / 2 / 8
     assert server._metrics.batch_size.values == [8, 1, 4, 1]  # the histogram keeps every step's size
 
 
@@ -644,6 +641,41 @@ def test_autoscaling_stats_are_read_on_the_replicas_event_loop() -> None:
 
     assert inspect.iscoroutinefunction(LLMServer.record_autoscaling_stats)
     assert inspect.iscoroutinefunction(VocoderServer.record_autoscaling_stats)
+
+
+def test_busy_fraction_is_the_share_of_the_window_with_any_call_running() -> None:
+    """Calls on two lanes at once make one busy span (counted once); the fraction divides by the window, or by
+    the batcher's life while that is shorter, and counts a call still running up to now."""
+    import threading
+
+    from deployments.batcher import BUSY_WINDOW_S
+
+    batcher = VocoderBatcher(LaneVocoder(), max_batch_size=4, sample_rate=24000, fast_lane_code_budget=8)
+    gate, entered = threading.Event(), threading.Barrier(3)
+
+    def held() -> None:
+        entered.wait(10)
+        gate.wait(10)
+
+    async def main() -> tuple[int, int]:
+        calls = [asyncio.ensure_future(batcher._call(held, lane=lane)) for lane in (0, 1)]
+        await asyncio.to_thread(entered.wait, 10)  # both calls are running now
+        running = batcher._calls_running
+        gate.set()
+        await asyncio.gather(*calls)
+        return running, len(batcher._busy_spans)
+
+    assert asyncio.run(main()) == (2, 1)
+    batcher._created = 100.0
+    batcher._busy_spans.clear()
+    batcher._busy_spans.extend([(101.0, 103.0), (109.0, 110.0)])
+    assert batcher.busy_fraction(now=110.0) == 3.0 / 10.0  # 10 s of life
+    assert batcher.busy_fraction(now=102.0 + BUSY_WINDOW_S) == 2.0 / BUSY_WINDOW_S  # (101, 103) half out
+    batcher._calls_running, batcher._busy_from = 1, 140.0
+    assert batcher.busy_fraction(now=145.0) == 5.0 / BUSY_WINDOW_S  # a call running since 140, no span left
+    batcher._calls_running = 0
+    for executor in (batcher._executor, batcher._fast_executor, batcher._side_executor):
+        executor.shutdown()
 
 
 def test_the_vocoder_server_ends_a_stream_whose_step_failed_with_a_500_event() -> None:
