@@ -6,6 +6,7 @@ Serve knobs we support, so a typo in YAML fails at build time instead of being i
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -37,8 +38,9 @@ def _check_options(value: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown deployment option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     for key in ("num_cpus", "num_gpus"):
-        if key in value and (not isinstance(value[key], int | float) or value[key] < 0):
-            raise ValueError(f"{key} must be a number >= 0, got {value[key]!r}")
+        amount = value.get(key, 0)
+        if not isinstance(amount, int | float) or isinstance(amount, bool) or not 0 <= amount < math.inf:
+            raise ValueError(f"{key} must be a finite number >= 0, got {amount!r}")
     resources = value.get("resources", {})
     if not isinstance(resources, dict) or not all(
             isinstance(k, str) and k and k not in ("CPU", "GPU", "memory") and isinstance(v, int | float)
@@ -55,7 +57,10 @@ def _check_options(value: dict[str, Any]) -> dict[str, Any]:
 class AppArgs(BaseModel):
     """Everything `build_app` needs; `serve run config/serve.yaml` fills it from the YAML `args:`."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: no bool for an int (True was 1), no "16" for a number, no float for an int; no NaN or infinity
+    # (an infinite codes_batch_s never sent a chunk after the first two, an infinite retry_after_s made every
+    # 503 a 500)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     # Passed as keyword arguments to runtime.engine.EngineConfig (model, device, dtype, block_size,
     # kv_cache_bytes, max_num_running, max_num_waiting, max_model_len, ...).
@@ -64,7 +69,7 @@ class AppArgs(BaseModel):
     served_model_name: str = "moss-speech"
     vocoder_preset: Literal["tiny", "full"] = "tiny"
     vocoder_device: str = "cpu"
-    vocoder_dtype: str | None = None
+    vocoder_dtype: Literal["bfloat16", "float16", "float32"] | None = None
     vocoder_seed: int = 0
     # Speech input (chat `input_audio` parts): the codec's encoder, run on the vocoder replica's device and
     # dtype. "tiny" / "full": random weights from vocoder_seed (noise codes; every path exercised); else a
@@ -172,11 +177,19 @@ class AppArgs(BaseModel):
         # alone would otherwise drop max_ongoing_requests to Serve's 5
         return {**DEFAULT_OPTIONS[info.field_name], **_check_options(value)}
 
-    @field_validator("vocoder_chunk_schedule_codes", "vocoder_light_load_schedule_codes")
+    @field_validator("vocoder_device", "engine")
     @classmethod
-    def _validate_schedule(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
-        if value is not None and (not value or min(value) < 1):
-            raise ValueError(f"{info.field_name} must be non-empty sizes >= 1, got {value}")
+    def _validate_device(cls, value: Any, info: ValidationInfo) -> Any:
+        device = value.get("device", "cpu") if info.field_name == "engine" else value
+        where = "engine.device" if info.field_name == "engine" else info.field_name
+        import torch
+
+        try:
+            kind = torch.device(device).type if isinstance(device, str) else None
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"{where} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         return value
 
     @field_validator("vocoder_warmup_rows", "vocoder_eager_warmup_rows")
@@ -211,6 +224,19 @@ class AppArgs(BaseModel):
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must not exceed "
                              f"max_new_tokens_limit ({self.max_new_tokens_limit})")
+        from vocoder.config import VocoderConfig
+
+        # the vocoder replica builds this config: a schedule it refuses (a 1-code chunk is shorter than the
+        # crossfade) fails here, at build time
+        try:
+            VocoderConfig.preset(self.vocoder_preset).with_schedules(
+                self.vocoder_chunk_schedule_codes, self.vocoder_light_load_schedule_codes,
+                self.vocoder_light_load_max_sessions)
+        except ValueError as exc:  # its messages start with the stream field's name
+            raise ValueError(f"vocoder_{exc}") from None
+        if self.codes_batch_s >= self.stream_idle_timeout_s:
+            raise ValueError(f"codes_batch_s ({self.codes_batch_s}) must be below stream_idle_timeout_s "
+                             f"({self.stream_idle_timeout_s}): a stream's codes may wait that long between batches")
         urgent = self.vocoder_urgent_step_code_budget
         if urgent is not None and urgent < self.vocoder_step_code_budget:
             raise ValueError(f"vocoder_urgent_step_code_budget ({urgent}) must be at least "
@@ -226,7 +252,7 @@ class AppArgs(BaseModel):
 
         try:  # the replica builds EngineConfig(**engine): a wrong key or value fails here, at build time
             EngineConfig(**value)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"engine: {exc}".replace("EngineConfig.__init__() ", "")) from None
         return value
 

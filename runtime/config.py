@@ -202,3 +202,28 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_field_types(config: Any) -> None:
+    """ValueError naming the first field of dataclass `config` whose value is not of its annotated kind: an int
+    field takes an int (not a bool: True would be 1, nor a float: 2.5 rows), a float field a finite number
+    (NaN passed every `x < 1` check, and an infinite timeout never ends), a bool field a bool, a str field a
+    str; None where the annotation allows it. Other annotations are left to the config's own checks."""
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        kinds = [kind.strip() for kind in str(item.type).split("|")]
+        if value is None and "None" in kinds:
+            continue
+        kind = kinds[0]
+        if kind == "int":
+            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif kind == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            what = "a finite number"
+        elif kind in ("bool", "str"):
+            ok, what = type(value) is bool if kind == "bool" else isinstance(value, str), f"a {kind}"
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"{item.name} must be {what}{' or None' if 'None' in kinds else ''}, got {value!r}")
+

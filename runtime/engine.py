@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from runtime.block_manager import BlockManager
-from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row
+from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row, check_field_types
 from runtime.device_memory import cap_device_memory, capped_free_bytes, indexed_cuda_device
 from runtime.errors import EngineError, EngineUnhealthyError, InvalidRequestError, is_device_error
 from runtime.fp8 import Weight
@@ -118,6 +118,13 @@ class EngineConfig:
     memory_cap_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        try:
+            device_type = torch.device(self.device).type
+        except RuntimeError:
+            device_type = None
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
         if self.block_size < 1:
@@ -129,7 +136,7 @@ class EngineConfig:
         if self.memory_cap_bytes is not None:
             if self.memory_cap_bytes < 1:
                 raise ValueError(f"memory_cap_bytes must be >= 1 or None, got {self.memory_cap_bytes}")
-            if torch.device(self.device).type != "cuda":
+            if device_type != "cuda":
                 raise ValueError(f"memory_cap_bytes needs a CUDA device, got device {self.device!r}")
         kv_storage_dtype(self.kv_cache_dtype, torch.float32)  # validates it
         if self.max_consecutive_step_failures < 1:

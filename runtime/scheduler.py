@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
-from runtime.config import CODES_PER_SECOND, Row
+from runtime.config import CODES_PER_SECOND, Row, check_field_types
 from runtime.errors import ContextLengthExceededError, EngineOverloadedError
 from runtime.request import FinishReason, GenerationRequest
 from runtime.sampling import is_stop_row
@@ -50,6 +50,7 @@ class SchedulerConfig:
     first_audio_hold_max_running: int = 1
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("max_num_running", "max_num_waiting", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

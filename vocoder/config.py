@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,6 +247,20 @@ class VocoderConfig:
         self.flow.validate()
         self.bigvgan.validate()
         self.stream.validate()
+
+    def with_schedules(self, chunk_schedule_codes: Sequence[int] | None = None,
+                       light_load_schedule_codes: Sequence[int] | None = None,
+                       light_load_max_sessions: int = 1) -> VocoderConfig:
+        """This config with a serving app's chunk schedules (None: keep the stream's), validated."""
+        stream = self.stream
+        if chunk_schedule_codes is not None:
+            stream = dataclasses.replace(stream, chunk_schedule_codes=tuple(chunk_schedule_codes))
+        if light_load_schedule_codes is not None:
+            stream = dataclasses.replace(stream, light_load_schedule_codes=tuple(light_load_schedule_codes),
+                                         light_load_max_sessions=light_load_max_sessions)
+        config = dataclasses.replace(self, stream=stream)
+        config.validate()
+        return config
 
     @classmethod
     def preset(cls, name: str) -> VocoderConfig:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import threading
 import time
@@ -983,13 +982,8 @@ def build_for_serving(
     if chunk_schedule_codes is not None or light_load_schedule_codes is not None:
         cfg = from_preset.get("config") or VocoderConfig.preset(preset)
         assert isinstance(cfg, VocoderConfig)
-        stream = cfg.stream
-        if chunk_schedule_codes is not None:
-            stream = dataclasses.replace(stream, chunk_schedule_codes=tuple(chunk_schedule_codes))
-        if light_load_schedule_codes is not None:
-            stream = dataclasses.replace(stream, light_load_schedule_codes=tuple(light_load_schedule_codes),
-                                         light_load_max_sessions=light_load_max_sessions)
-        from_preset["config"] = dataclasses.replace(cfg, stream=stream)
+        from_preset["config"] = cfg.with_schedules(chunk_schedule_codes, light_load_schedule_codes,
+                                                   light_load_max_sessions)
     voc = StreamingVocoder.from_preset(preset, **from_preset)  # type: ignore[arg-type]
     if check_matmuls or (check_matmuls is None and voc.device.type == "cuda"):
         voc.check_products()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import math
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -968,6 +969,24 @@ def test_a_stopped_step_thread_ends_every_stream_and_the_engine_is_unhealthy(mod
     end, reason = asyncio.run(asyncio.wait_for(main(), timeout=60))
     assert end == Finished("error", 6, 0, 0, 0, "engine step thread stopped: Stop('stop')")
     assert reason == "the engine's step thread has stopped"
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    # NaN passed every `x < 1` check, and the scheduler then never ran a request
+    ({"max_num_batched_tokens": math.nan}, "max_num_batched_tokens must be an integer, got nan"),
+    ({"max_num_running": 2.5}, "max_num_running must be an integer, got 2.5"),
+    ({"block_size": True}, "block_size must be an integer, got True"),  # was block size 1
+    ({"kv_cache_bytes": math.inf}, "kv_cache_bytes must be an integer or None, got inf"),
+    ({"step_timeout_s": math.inf}, "step_timeout_s must be a finite number, got inf"),  # shutdown's join overflowed
+    ({"pacing_lead_s": math.nan}, "pacing_lead_s must be a finite number or None, got nan"),
+    ({"fast_path": 1}, "fast_path must be a bool, got 1"),
+    ({"model": 5}, "model must be a str, got 5"),
+    ({"device": "mps"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'mps'"),
+    ({"device": "bogus"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'bogus'"),
+])
+def test_engine_settings_of_the_wrong_kind_are_refused_by_name(setting: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        EngineConfig(**setting)
 
 
 def test_health_limits_must_be_positive() -> None:
