@@ -9,6 +9,8 @@ active streams, queue, KV cache use, prefix-cache hit rate, replicas per deploym
 With one scrape, histograms and counters cover the whole life of the service; with ``--interval S`` it
 scrapes twice and reports only what happened between the scrapes (as Prometheus' ``rate`` would).
 ``--check-dashboard`` lists the metric names a Grafana dashboard queries that the service does not export.
+Exit status: 0, 1 when ``--check-dashboard`` finds metrics missing, 2 when the scrape or the dashboard file
+cannot be read (a message on stderr, no traceback).
 """
 from __future__ import annotations
 
@@ -59,10 +61,23 @@ def parse_samples(text: str) -> list[Sample]:
             for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def scrape(url: str, timeout_s: float = 10.0) -> list[Sample]:
-    """Fetch and parse one scrape of ``url``."""
+MAX_SCRAPE_BYTES = 64 << 20
+
+
+def scrape(url: str, timeout_s: float = 10.0, total_s: float = 60.0) -> list[Sample]:
+    """Fetch and parse one scrape of ``url``: each read within ``timeout_s``, the whole body by ``total_s`` (a
+    server trickling bytes kept it open for days), at most MAX_SCRAPE_BYTES. TimeoutError, OSError (URLError,
+    HTTPError) or ValueError (not Prometheus text) otherwise."""
+    deadline = time.monotonic() + total_s
+    body = bytearray()
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return parse_samples(response.read().decode("utf-8"))
+        while chunk := response.read1(1 << 16):
+            body += chunk
+            if len(body) > MAX_SCRAPE_BYTES:
+                raise ValueError(f"the scrape is larger than {MAX_SCRAPE_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scrape took longer than {total_s:g} s")
+    return parse_samples(body.decode("utf-8"))
 
 
 def delta(after: list[Sample], before: list[Sample]) -> list[Sample]:
@@ -240,26 +255,41 @@ def missing_dashboard_metrics(dashboard: dict[str, Any], samples: list[Sample]) 
     return used - exported - EVENT_COUNTERS
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (1 when --check-dashboard finds missing metrics)."""
+    """CLI entry point; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m deployments.monitor", description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8080/metrics", help="Ray's metrics export URL")
-    parser.add_argument("--interval", type=float, default=0.0,
+    parser.add_argument("--interval", type=_seconds, default=0.0,
                         help="scrape twice this many seconds apart and report only the difference")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--check-dashboard", type=Path, default=None, metavar="JSON",
                         help="list metric names this Grafana dashboard queries but the service does not export")
     args = parser.parse_args(argv)
 
-    samples = scrape(args.url)
-    if args.check_dashboard is not None:
-        missing = missing_dashboard_metrics(json.loads(args.check_dashboard.read_text()), samples)
+    try:
+        dashboard = None
+        if args.check_dashboard is not None:  # read first: a bad file needs no scrape
+            dashboard = json.loads(args.check_dashboard.read_text())
+            if not isinstance(dashboard, dict):
+                raise ValueError(f"{args.check_dashboard} is not a Grafana dashboard (a JSON object)")
+        samples = scrape(args.url)
+        if args.interval > 0:
+            time.sleep(args.interval)
+            samples = delta(scrape(args.url), samples)
+    except (OSError, ValueError) as exc:  # URLError, HTTPError and TimeoutError are OSErrors; JSON, text: ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if dashboard is not None:
+        missing = missing_dashboard_metrics(dashboard, samples)
         print("\n".join(sorted(missing)) if missing else "every dashboard metric is exported")
         return 1 if missing else 0
-    if args.interval > 0:
-        before = samples
-        time.sleep(args.interval)
-        samples = delta(scrape(args.url), before)
     summary = summarize(samples)
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0

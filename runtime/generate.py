@@ -43,9 +43,13 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
-        torch.device(args.device)
+        kind = torch.device(args.device).type
     except RuntimeError as exc:
         parser.error(f"--device: {exc}")  # exit 2, as for any other bad option
+    if kind not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine's PyTorch sees no CUDA device")
     return args
 
 

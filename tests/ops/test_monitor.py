@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import threading
+import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from deployments.monitor import (
     parse_samples,
     promql_metric_names,
     render,
+    scrape,
     summarize,
 )
 
@@ -194,3 +197,60 @@ def test_cli_prints_json_and_checks_a_dashboard(metrics_url: str, tmp_path: Path
         {"expr": "sum(rate(ray_moss_audio_seconds_total[5m]))"}]}]}))
     assert main(["--url", metrics_url, "--check-dashboard", str(dashboard)]) == 1
     assert capsys.readouterr().out == "ray_moss_audio_seconds_total\n"
+
+
+class _Trickle(BaseHTTPRequestHandler):
+    """Promises 100000 bytes and sends one every 0.05 s."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "100000")
+        self.end_headers()
+        for _ in range(100000):
+            try:
+                self.wfile.write(b"#")
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_trickled_scrape_ends_at_its_total_time_limit() -> None:
+    """Each read came within the per-read timeout, so the scrape went on for the whole body (days)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(TimeoutError, match="^the scrape took longer than 0.3 s$"):
+            scrape(f"http://127.0.0.1:{server.server_port}/metrics", timeout_s=5.0, total_s=0.3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_cli_errors_are_a_message_and_status_2(metrics_url: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused connection, a page that is not Prometheus text and a dashboard file that is missing or not a
+    dashboard were tracebacks with status 1, which also means "dashboard metrics missing"."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}/metrics"  # bound, not listening: refused
+        assert main(["--url", closed]) == 2
+    assert capsys.readouterr().err.startswith("error: <urlopen error [Errno 111] Connection refused>")
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    assert main(["--url", metrics_url, "--check-dashboard", str(listed)]) == 2
+    assert capsys.readouterr().err == f"error: {listed} is not a Grafana dashboard (a JSON object)\n"
+    assert main(["--url", metrics_url, "--check-dashboard", str(tmp_path / "none.json")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+    _Handler.body, body = b"<html>not metrics</html>", _Handler.body
+    try:
+        assert main(["--url", metrics_url]) == 2
+    finally:
+        _Handler.body = body
+    assert capsys.readouterr().err.startswith("error: ")
+    with pytest.raises(SystemExit) as exited:
+        main(["--interval", "inf"])
+    assert exited.value.code == 2 and "must be a finite number of seconds >= 0, got inf" in capsys.readouterr().err

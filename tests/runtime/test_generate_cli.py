@@ -70,3 +70,16 @@ def test_a_generation_that_ends_with_an_error_exits_1(tmp_path: Path) -> None:
         "error", "the model produced non-finite logits (NaN or inf) for this request")
     assert proc.stderr.strip().endswith(
         "error: generation failed: the model produced non-finite logits (NaN or inf) for this request")
+
+
+def test_cli_refuses_devices_it_cannot_run_on_as_a_bad_option() -> None:
+    """mps and meta, and cuda where PyTorch has none (this CPU build), ended in a traceback with status 1,
+    which means a generation that failed."""
+    import torch
+
+    for device, message in [("mps", "--device must be cpu or cuda, got 'mps'"),
+                            ("meta", "--device must be cpu or cuda, got 'meta'")] + (
+            [] if torch.cuda.is_available() else [("cuda", "--device cuda: this machine's PyTorch sees no CUDA")]):
+        proc = cli("--text", "Hi", "--device", device)
+        assert proc.returncode == 2 and f"error: {message}" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
