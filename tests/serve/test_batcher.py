@@ -726,7 +726,7 @@ def test_a_client_gone_as_its_vocoder_session_opens_leaves_no_session_open() -> 
         consumer = asyncio.ensure_future(consume())
         with pytest.raises(asyncio.CancelledError):
             await consumer
-        for _ in range(200):  # the batcher closes the session in its next round, on its worker thread
+        for _ in range(1000):  # the batcher closes the session in its next round (10 s: a loaded machine), on its worker thread
             if vocoder.closed:
                 break
             await asyncio.sleep(0.01)
@@ -754,7 +754,7 @@ def test_an_llm_generation_cancelled_from_its_side_ends_the_utterance_with_a_503
                               "message": "server unavailable: the LLM deployment cancelled the generation",
                               "error_type": "server_overloaded_error", "param": None, "code": "server_overloaded",
                               "retry_after_s": 1.0}
-        for _ in range(200):  # the batcher closes the session in its next round
+        for _ in range(1000):  # the batcher closes the session in its next round (10 s: a loaded machine)
             if vocoder.closed:
                 break
             await asyncio.sleep(0.01)
