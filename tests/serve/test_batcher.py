@@ -726,7 +726,7 @@ def test_a_client_gone_as_its_vocoder_session_opens_leaves_no_session_open() -> 
         consumer = asyncio.ensure_future(consume())
         with pytest.raises(asyncio.CancelledError):
             await consumer
-        for _ in range(1000):  # the batcher closes the session in its next round (10 s: a loaded machine), on its worker thread
+        for _ in range(1000):  # the batcher closes the session in its next round, on its worker thread (10 s)
             if vocoder.closed:
                 break
             await asyncio.sleep(0.01)
