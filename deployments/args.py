@@ -180,16 +180,12 @@ class AppArgs(BaseModel):
     @field_validator("vocoder_device", "engine")
     @classmethod
     def _validate_device(cls, value: Any, info: ValidationInfo) -> Any:
-        device = value.get("device", "cpu") if info.field_name == "engine" else value
-        where = "engine.device" if info.field_name == "engine" else info.field_name
-        import torch
+        from runtime.device_memory import check_device
 
-        try:
-            kind = torch.device(device).type if isinstance(device, str) else None
-        except RuntimeError:
-            kind = None
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"{where} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if info.field_name == "engine":
+            check_device(value.get("device", "cpu"), "engine.device")
+        else:
+            check_device(value, info.field_name)
         return value
 
     @field_validator("vocoder_warmup_rows", "vocoder_eager_warmup_rows")

@@ -11,6 +11,18 @@ from __future__ import annotations
 import torch
 
 
+def check_device(device: object, name: str) -> str:
+    """The type ("cpu" or "cuda") of the device string `device`; ValueError naming the setting `name` for any
+    other (mps, meta, a typo): the engine and the vocoder run on these two only."""
+    try:
+        kind = torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return kind
+
+
 def indexed_cuda_device(device: str | torch.device) -> torch.device:
     """A CUDA device with its index filled in: the current one when `device` names none ("cuda")."""
     device = torch.device(device)

@@ -23,7 +23,7 @@ from torch import nn
 
 from runtime.block_manager import BlockManager
 from runtime.config import CODES_PER_SECOND, MODALITY_PAD_ID, ModelConfig, Row, check_field_types
-from runtime.device_memory import cap_device_memory, capped_free_bytes, indexed_cuda_device
+from runtime.device_memory import cap_device_memory, capped_free_bytes, check_device, indexed_cuda_device
 from runtime.errors import EngineError, EngineUnhealthyError, InvalidRequestError, is_device_error
 from runtime.fp8 import Weight
 from runtime.fused import FusedWeights
@@ -119,12 +119,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        try:
-            device_type = torch.device(self.device).type
-        except RuntimeError:
-            device_type = None
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        device_type = check_device(self.device, "device")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
         if self.block_size < 1:
