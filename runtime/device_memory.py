@@ -4,7 +4,8 @@ On one card shared by the LLM and vocoder replicas (an RTX 4090: config/serve-40
 `num_gpus` divides scheduling, not memory. With a cap, a replica that needs more than its share gets a CUDA
 out-of-memory error in its own process, at start-up or in the step that asked, instead of taking memory the
 other replica counts on. `torch.cuda.set_per_process_memory_fraction` bounds the caching allocator only: the
-CUDA context, library workspaces and loaded kernels come on top (a few hundred MiB per process).
+CUDA context, library workspaces and loaded kernels come on top (1.77-2.40 GiB for two processes in the
+24 GB configs' runs on the H200: docs/operations.md).
 """
 from __future__ import annotations
 
